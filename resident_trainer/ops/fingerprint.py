@@ -1,0 +1,369 @@
+"""Fingerprint: a deterministic 64-bit digest of tensors' exact contents.
+
+Read bottom-up: the numpy oracle, the finalizer shared by every path, the
+byte views, the dispatch to the kernels (C++ CPU, CUDA, Triton), then the
+public functions.
+
+Definition (also in docs/FINGERPRINT.md and csrc/fingerprint.h): the tensor's
+row-major bytes are read as little-endian 32-bit words, zero-padded at the
+end. Word i of a shard that starts at global word g0 adds
+``fmix32(w ^ key0(g0 + i))`` to lane 0 and ``lowbias32(w + key1(g0 + i))`` to
+lane 1, mod 2^32, with 64-bit positions. The digest absorbs both lanes, the
+dtype, numel and the shape into a splitmix64 chain. Because the lanes are
+plain sums, the digest is identical for every tiling, grid, thread count and
+device, and shards hashed at their global offsets add up to the whole tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from resident_trainer import _ext
+
+# --- constants (restated from csrc/fingerprint.h; a test parses the header) ---
+KEY0_MUL = 0x9E3779B1
+KEY1_MUL = 0x85EBCA77
+HI_SEED0 = 0x27D4EB2F
+HI_SEED1 = 0x165667B1
+
+MASK32 = 0xFFFFFFFF
+MASK64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN64 = 0x9E3779B97F4A7C15
+_TENSOR_TAG = 0x52545450_46500001  # "RTTPFP" v1: tensor digest
+_TABLE_TAG = 0x52545450_46500002  # table digest
+
+IMPLS = ("auto", "cpu", "cuda", "triton", "reference")
+
+
+# --- the oracle: plain numpy, any speed ---------------------------------------
+
+
+def _fmix32_np(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _lowbias32_np(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> np.uint32(15))
+    h = h * np.uint32(0x846CA68B)
+    return h ^ (h >> np.uint32(16))
+
+
+def fingerprint_lanes_reference(data: np.ndarray | bytes, word_offset: int = 0) -> tuple[int, int]:
+    """The two lane sums of a byte string whose first word has global index
+    `word_offset`, computed word by word with numpy (the test oracle)."""
+    buf = np.frombuffer(bytes(data), dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else data
+    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    pad = (-buf.size) % 4
+    if pad:
+        buf = np.concatenate([buf, np.zeros(pad, dtype=np.uint8)])
+    words = buf.view("<u4")
+    s0 = s1 = 0
+    step = 1 << 22  # bound the temporaries to a few tens of MB
+    for start in range(0, words.size, step):
+        w = words[start : start + step].astype(np.uint32)
+        g = np.arange(w.size, dtype=np.uint64) + np.uint64(word_offset + start)
+        lo = (g & np.uint64(MASK32)).astype(np.uint32)
+        hi = (g >> np.uint64(32)).astype(np.uint32)
+        k0 = lo * np.uint32(KEY0_MUL) + _fmix32_np(hi ^ np.uint32(HI_SEED0))
+        k1 = lo * np.uint32(KEY1_MUL) + _lowbias32_np(hi ^ np.uint32(HI_SEED1))
+        s0 += int(_fmix32_np(w ^ k0).astype(np.uint64).sum())
+        s1 += int(_lowbias32_np(w + k1).astype(np.uint64).sum())
+    return s0 & MASK32, s1 & MASK32
+
+
+# --- finalizer: shared by every path ------------------------------------------
+
+
+def _mix64(z: int) -> int:
+    # splitmix64 finalizer: a bijection on 64-bit integers.
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def _absorb(values: Iterable[int]) -> int:
+    h = 0
+    for v in values:
+        h = _mix64(((h ^ (v & MASK64)) + _GOLDEN64) & MASK64)
+    return h
+
+
+def _fnv1a64(data: bytes) -> int:
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & MASK64
+    return h
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Stable 64-bit code of a dtype (FNV-1a of its name, e.g. 'torch.bfloat16')."""
+    return _fnv1a64(str(dtype).encode())
+
+
+def finalize(lane0: int, lane1: int, dtype: torch.dtype, shape: Iterable[int]) -> int:
+    """64-bit digest from a whole tensor's lane sums, dtype and shape."""
+    shape = [int(s) for s in shape]
+    numel = 1
+    for s in shape:
+        numel *= s
+    return _absorb([_TENSOR_TAG, (lane0 & MASK32) | ((lane1 & MASK32) << 32), dtype_code(dtype), numel, len(shape), *shape])
+
+
+# --- byte views -----------------------------------------------------------------
+
+# Non-contiguous tensors are copied this many bytes at a time, never whole.
+_CHUNK_BYTES = 64 << 20
+
+
+def _check_tensor(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and has no contents to fingerprint")
+    return t.detach().resolve_conj().resolve_neg()
+
+
+def _byte_chunks(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> Iterator[tuple[torch.Tensor, int]]:
+    """(flat uint8 view or copy, byte offset within t's logical bytes), in order.
+    Every chunk but the last has a length that is a multiple of 4 bytes."""
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        yield t.reshape(-1).view(torch.uint8), 0
+        return
+    rows = t.shape[0]
+    row_bytes = (t.numel() // rows) * t.element_size()
+    # A multiple of 4 rows keeps every chunk boundary on a word boundary.
+    per = max(4, (chunk_bytes // max(row_bytes, 1)) // 4 * 4)
+    for r in range(0, rows, per):
+        yield t[r : r + per].contiguous().reshape(-1).view(torch.uint8), r * row_bytes
+
+
+# --- dispatch -------------------------------------------------------------------
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        if device.type == "cpu":
+            return "cpu"
+        if device.type == "cuda":
+            return "cuda" if _ext.has_kernel("fingerprint_lanes", "CUDA") else "triton"
+        raise ValueError(f"no fingerprint kernel for device type {device.type!r}; pass impl='reference'")
+    if impl == "cpu" and device.type != "cpu":
+        raise ValueError(f"impl='cpu' needs a CPU tensor, got one on {device}")
+    if impl == "cuda" and device.type != "cuda":
+        raise ValueError(f"impl='cuda' needs a CUDA tensor, got one on {device}")
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on the CPU), got one on {device}")
+    return impl
+
+
+def _aligned(data: torch.Tensor) -> torch.Tensor:
+    # The GPU kernels read 32-bit words; a view at an odd byte offset is copied.
+    return data if data.data_ptr() % 4 == 0 else data.clone()
+
+
+def _chunk_lanes(data: torch.Tensor, word_offset: int, impl: str) -> torch.Tensor:
+    """int64 tensor [lane0, lane1] of one flat uint8 chunk, on data's device."""
+    if impl == "reference":
+        l0, l1 = fingerprint_lanes_reference(data.cpu().numpy(), word_offset)
+        return torch.tensor([l0, l1], dtype=torch.int64, device=data.device)
+    if impl == "cpu":
+        _ext.require_extension("fingerprint (impl='cpu')")
+        return torch.ops.resident_trainer.fingerprint_lanes(data, word_offset)
+    if impl == "cuda":
+        _ext.require_extension("fingerprint (impl='cuda')")
+        if not _ext.has_kernel("fingerprint_lanes", "CUDA"):
+            raise RuntimeError("impl='cuda': resident_trainer._C was built without CUDA kernels; " + _ext.BUILD_HINT)
+        return torch.ops.resident_trainer.fingerprint_lanes(_aligned(data), word_offset)
+    _ext.require_triton("fingerprint (impl='triton')")
+    from resident_trainer.triton_kernels.fingerprint import fingerprint_lanes_triton
+
+    data = _aligned(data)
+    nfull = data.numel() // 4
+    lanes = fingerprint_lanes_triton(data[: 4 * nfull].view(torch.int32), word_offset)
+    rem = data.numel() - 4 * nfull
+    if rem:
+        tail = torch.zeros(4, dtype=torch.uint8, device=data.device)
+        tail[:rem] = data[4 * nfull :]
+        lanes = (lanes + fingerprint_lanes_triton(tail.view(torch.int32), word_offset + nfull)) & MASK32
+    return lanes
+
+
+def _lanes(t: torch.Tensor, byte_offset: int, impl: str) -> torch.Tensor:
+    """Lane sums of t's bytes placed at global byte `byte_offset` (a multiple of 4),
+    as a device tensor, without a host sync."""
+    impl = _resolve_impl(impl, t.device)
+    acc = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for data, off in _byte_chunks(t):
+        acc = (acc + _chunk_lanes(data, (byte_offset + off) // 4, impl)) & MASK32
+    return acc
+
+
+# --- public API -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FingerprintPartial:
+    """Lane sums of one shard of a tensor: bytes [byte_start, byte_start + byte_len)
+    of the whole tensor's row-major contents. Shards that tile the whole tensor
+    combine with `combine_partials` into its digest."""
+
+    lane0: int
+    lane1: int
+    byte_start: int
+    byte_len: int
+
+
+def fingerprint_partial(shard: torch.Tensor, *, offset: int = 0, impl: str = "auto") -> FingerprintPartial:
+    """Lane sums of `shard`, the elements [offset, offset + shard.numel()) of a
+    larger tensor in row-major order (e.g. one tensor-parallel rank's rows).
+
+    offset * element_size must be a multiple of 4 bytes, so that shards meet on
+    word boundaries (true for any row split of a tensor whose rows are 4-byte
+    multiples)."""
+    shard = _check_tensor(shard, "shard")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ValueError(f"offset must be a non-negative int (elements), got {offset!r}")
+    byte_start = offset * shard.element_size()
+    if byte_start % 4:
+        raise ValueError(
+            f"offset={offset} puts the shard at byte {byte_start}, not a multiple of 4; "
+            f"shards of a {shard.dtype} tensor must start on a 4-byte boundary"
+        )
+    l0, l1 = _lanes(shard, byte_start, impl).tolist()
+    return FingerprintPartial(l0, l1, byte_start, shard.numel() * shard.element_size())
+
+
+def combine_partials(parts: Iterable[FingerprintPartial], shape: Iterable[int], dtype: torch.dtype) -> int:
+    """Digest of the whole tensor (given shape and dtype) from partials that tile
+    its bytes exactly once, in any order."""
+    parts = sorted(parts, key=lambda p: p.byte_start)
+    shape = [int(s) for s in shape]
+    numel = 1
+    for s in shape:
+        numel *= s
+    total = numel * torch.empty((), dtype=dtype).element_size()
+    pos = 0
+    for p in parts:
+        if p.byte_start != pos:
+            raise ValueError(
+                f"partials do not tile the tensor: expected a shard at byte {pos}, got one at {p.byte_start}"
+            )
+        pos += p.byte_len
+        if pos % 4 and pos != total:
+            raise ValueError(f"a shard ends at byte {pos}, inside a 32-bit word; only the last shard may")
+    if pos != total:
+        raise ValueError(f"partials cover {pos} bytes, the tensor has {total}")
+    l0 = sum(p.lane0 for p in parts) & MASK32
+    l1 = sum(p.lane1 for p in parts) & MASK32
+    return finalize(l0, l1, dtype, shape)
+
+
+def fingerprint(t: torch.Tensor, *, impl: str = "auto") -> int:
+    """Deterministic 64-bit digest of t's dtype, shape and exact contents (raw
+    bits in row-major order), identical on every device, path, tiling and
+    thread count; unlike ``torch.hash_tensor`` it sees element order.
+
+    impl: "auto" (C++ on CPU, CUDA or Triton on GPU), "cpu", "cuda", "triton",
+    or "reference" (numpy oracle)."""
+    t = _check_tensor(t, "t")
+    l0, l1 = _lanes(t, 0, impl).tolist()
+    return finalize(l0, l1, t.dtype, t.shape)
+
+
+def fingerprint_sharded(
+    shard: torch.Tensor,
+    *,
+    offset: int,
+    shape: Iterable[int],
+    process_group=None,
+    impl: str = "auto",
+) -> int:
+    """Digest of a tensor of `shape` whose elements are spread over the ranks of
+    `process_group` in contiguous row-major pieces; this rank holds `shard`,
+    starting at element `offset`. Lane sums are all-reduced (no gathering of
+    data); every rank returns the same digest. Shards must tile the tensor."""
+    import torch.distributed as dist
+
+    shard = _check_tensor(shard, "shard")
+    part = fingerprint_partial(shard, offset=offset, impl=impl)
+    world = dist.get_world_size(process_group)
+    meta = torch.tensor([part.byte_start, part.byte_len], dtype=torch.int64)
+    gathered = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(gathered, meta, group=process_group)
+    lanes = torch.tensor([part.lane0, part.lane1], dtype=torch.int64)
+    dist.all_reduce(lanes, group=process_group)
+    parts = [FingerprintPartial(0, 0, int(m[0]), int(m[1])) for m in gathered]
+    parts[0] = FingerprintPartial(int(lanes[0]) & MASK32, int(lanes[1]) & MASK32, parts[0].byte_start, parts[0].byte_len)
+    return combine_partials(parts, shape, shard.dtype)
+
+
+@dataclass(frozen=True)
+class FingerprintTable:
+    """Per-tensor digests plus one combined digest over (name, digest) pairs."""
+
+    digests: dict[str, int] = field(default_factory=dict)
+    digest: int = 0
+
+    @property
+    def hex(self) -> str:
+        return f"{self.digest:016x}"
+
+    def changed(self, other: FingerprintTable) -> list[str]:
+        """Names whose digest differs, or that only one of the two tables has."""
+        names = sorted(set(self.digests) | set(other.digests))
+        return [n for n in names if self.digests.get(n) != other.digests.get(n)]
+
+    def as_dict(self) -> dict:
+        return {"digest": self.hex, "tensors": {n: f"{d:016x}" for n, d in self.digests.items()}}
+
+
+def _table_digest(digests: Mapping[str, int]) -> int:
+    values = [_TABLE_TAG, len(digests)]
+    for name in sorted(digests):
+        values += [_fnv1a64(name.encode()), digests[name]]
+    return _absorb(values)
+
+
+def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, impl: str = "auto") -> FingerprintTable:
+    """Fingerprint every tensor of a mapping, or every parameter and buffer of a
+    module (tied tensors once, under their first name). On a GPU the lane sums
+    of all tensors are collected on the device and copied back once."""
+    if isinstance(named, torch.nn.Module):
+        items = list(named.named_parameters()) + list(named.named_buffers())
+    elif isinstance(named, Mapping):
+        items = list(named.items())
+    else:
+        raise TypeError(f"named must be a Mapping[str, Tensor] or an nn.Module, got {type(named).__name__}")
+    metas, lanes = [], []
+    for name, t in items:
+        if not isinstance(name, str):
+            raise TypeError(f"named: keys must be str, got {type(name).__name__}")
+        t = _check_tensor(t, f"named[{name!r}]")
+        metas.append((name, t.dtype, tuple(t.shape)))
+        lanes.append(_lanes(t, 0, impl))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, ln in enumerate(lanes):
+        by_device.setdefault(ln.device, []).append(i)
+    values: list[list[int]] = [[]] * len(lanes)
+    for idxs in by_device.values():
+        for i, v in zip(idxs, torch.stack([lanes[i] for i in idxs]).cpu().tolist()):
+            values[i] = v
+    digests = {name: finalize(v[0], v[1], dt, shape) for (name, dt, shape), v in zip(metas, values)}
+    return FingerprintTable(digests, _table_digest(digests))

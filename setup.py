@@ -40,7 +40,7 @@ def _extensions():
         )
     # -fopenmp: at::parallel_for is a header template that runs serially unless the
     # extension itself is compiled with OpenMP (torch ships the libgomp it loads).
-    cxx = ["-O3", "-std=c++17", "-fno-strict-aliasing", "-fopenmp"]
+    cxx = ["-O3", "-std=c++20", "-fno-strict-aliasing", "-fopenmp"]
     include_dirs = [os.path.join(HERE, "csrc")]
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not _flag("RESIDENT_TRAINER_SKIP_CUDA")
     if with_cuda:
@@ -49,7 +49,7 @@ def _extensions():
             CPU_SOURCES + CUDA_SOURCES,
             include_dirs=include_dirs,
             extra_link_args=["-fopenmp"],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20", "--use_fast_math"]},
         )
     else:
         ext = CppExtension(

@@ -1,7 +1,10 @@
 // Torch binding of the CUDA fingerprint kernel (built only with a CUDA torch).
+// Only c10/cuda headers: ATen/cuda/CUDAContext.h would pull in cuBLAS and
+// cuSPARSE headers, which a minimal CUDA toolkit does not ship.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 #include <torch/library.h>
 
 extern "C" int rt_fingerprint_cuda_launch(const void* data, int64_t nbytes, uint64_t word_offset,
@@ -19,11 +22,12 @@ at::Tensor fingerprint_lanes_cuda(const at::Tensor& data, int64_t word_offset) {
               "fingerprint_lanes: CUDA data must be 4-byte aligned (copy it first)");
   c10::cuda::CUDAGuard guard(data.device());
   at::Tensor acc = at::zeros({2}, data.options().dtype(at::kInt));
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, data.get_device());
   const int err = rt_fingerprint_cuda_launch(
       data.const_data_ptr(), data.numel(), (uint64_t)word_offset,
       reinterpret_cast<unsigned int*>(acc.data_ptr<int32_t>()), sms,
-      at::cuda::getCurrentCUDAStream());
+      c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "fingerprint_lanes: CUDA launch failed with error ", err);
   // int32 bits -> unsigned value in an int64, as the CPU kernel returns.
   return acc.to(at::kLong).bitwise_and_(0xFFFFFFFFll);

@@ -1,21 +1,6 @@
-"""Public functional ops: input checks, device dispatch, autograd, oracles."""
+"""Public functional ops, one module per op: input checks, device dispatch,
+autograd, and the plain-torch (or numpy) oracle next to each kernel path.
 
-from resident_trainer.ops.fingerprint import (
-    FingerprintPartial,
-    FingerprintTable,
-    combine_partials,
-    fingerprint,
-    fingerprint_partial,
-    fingerprint_sharded,
-    fingerprint_tensors,
-)
-
-__all__ = [
-    "FingerprintPartial",
-    "FingerprintTable",
-    "combine_partials",
-    "fingerprint",
-    "fingerprint_partial",
-    "fingerprint_sharded",
-    "fingerprint_tensors",
-]
+The functions are re-exported from the top-level package; this package keeps
+the module names (resident_trainer.ops.fingerprint, ...) for the internals.
+"""

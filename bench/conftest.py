@@ -1,0 +1,41 @@
+"""Benchmark configuration: after the run, print for each group every
+provider's median, spread, throughput and ratio to the group's reference
+provider, all measured in this same run.
+
+Each benchmark sets extra_info: "provider", "reference" (True for the one the
+ratios are taken against), and "bytes" or "flops" for the throughput column.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or not session.benchmarks:
+        return
+    groups = {}
+    for b in session.benchmarks:
+        groups.setdefault(b.group or b.name, []).append(b)
+    tr = terminalreporter
+    tr.section("ratios to the reference, measured in this run (median; lower time is better)")
+    for group, benches in groups.items():
+        ref = next((b for b in benches if b.extra_info.get("reference")), None)
+        tr.write_line(f"\n{group}")
+        for b in sorted(benches, key=lambda b: b.stats.median):
+            med = b.stats.median
+            info = b.extra_info
+            rate = ""
+            if "bytes" in info:
+                rate = f"{info['bytes'] / med / 1e9:8.1f} GB/s"
+            elif "flops" in info:
+                rate = f"{info['flops'] / med / 1e12:8.3f} TFLOP/s"
+            ratio = f"{med / ref.stats.median:6.2f}x time of ref" if ref is not None else ""
+            extra = "  ".join(f"{k}={v}" for k, v in info.items() if k not in ("provider", "reference", "bytes", "flops"))
+            tr.write_line(
+                f"  {info.get('provider', b.name):34s} {med * 1e3:10.3f} ms  iqr {b.stats.iqr * 1e3:8.3f} ms  {rate}  {ratio}  {extra}"
+            )

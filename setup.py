@@ -11,14 +11,17 @@ Environment:
     RESIDENT_TRAINER_SKIP_CUDA=1  build the C++ CPU kernels only
 """
 
+import glob
 import os
 import sys
 
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CPU_SOURCES = ["csrc/module.cpp", "csrc/fingerprint_cpu.cpp"]
-CUDA_SOURCES = ["csrc/fingerprint_cuda.cu", "csrc/fingerprint_cuda_binding.cpp"]
+# One op per source file: csrc/<op>_cpu.cpp always; csrc/<op>_cuda.cu and
+# csrc/<op>_cuda_binding.cpp only in CUDA builds.
+CPU_SOURCES = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp", root_dir=HERE))
+CUDA_SOURCES = sorted(glob.glob("csrc/*_cuda.cu", root_dir=HERE)) + sorted(glob.glob("csrc/*_cuda_binding.cpp", root_dir=HERE))
 
 
 def _flag(name):

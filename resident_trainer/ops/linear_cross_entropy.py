@@ -1,0 +1,556 @@
+"""Linear cross-entropy: exact cross-entropy of ``input @ W.T`` against targets,
+computed in vocabulary tiles, never allocating the ``[tokens x vocab]`` logits.
+
+Read bottom-up: the oracle (materializes everything), the per-device kernels
+that produce per-shard partials (running max, sum-exp and the running
+``sum_c exp(z_c - m) W_c``), the combination of partials across vocabulary
+shards, the torch.library ops with their autograd, then the public function.
+
+Algorithm. The gradient of the loss w.r.t. the hidden state is
+``softmax(h W^T) W - W[y]``: attention with Q=h and K=V=W. One online-softmax
+pass over vocabulary tiles keeps, per token, the running max ``m``, the running
+sum ``S = sum exp(z - m)`` and ``A = sum exp(z - m) W_c`` (rescaled when ``m``
+moves), so the loss and ``dh`` come out of the forward pass with the matmul
+FLOPs of the materializing version (2NDV for the logits, 2NDV for dh) and
+O(tokens x tile) extra memory. dh is kept and scaled by the upstream gradient in
+backward. When the weight (or bias) needs a gradient, backward recomputes each
+logit tile once more for ``dW = G^T h``: cheaper in memory than keeping logits,
+and on CPU faster than token-chunked alternatives (docs/RESULTS.md).
+
+Vocabulary parallel. With a process group, W is this rank's rows
+``[vocab_start, vocab_start + V_local)`` of the global head. Ranks all-reduce
+MAX of ``m``, SUM of (rescaled sum-exp, target logit, logit sum), then SUM of
+their partial dh, so every rank gets the exact global loss, lse and dh.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+IMPLS = ("auto", "cpu", "triton", "reference")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# --- the oracle: materializes the logits ----------------------------------------------
+
+
+def linear_cross_entropy_reference(
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    linear_bias: Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_lse: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
+    """Plain-torch oracle: ``F.cross_entropy((input @ W.T + bias).to(dtype), target)``
+    with optional softcap and z-loss, materializing the (N, V) logits in `dtype`
+    (float32 by default; float64 for ground truth). Differentiable by autograd.
+
+    Per token: ``lse - (1 - eps) z_y - eps * mean_c z_c + z_loss * lse**2``, 0 for
+    ignored tokens; "mean" divides by the number of non-ignored tokens (0 when
+    there are none, where torch returns NaN)."""
+    d = linear_weight.shape[-1]
+    h = input.reshape(-1, d).to(dtype)
+    logits = h @ linear_weight.to(dtype).T
+    if linear_bias is not None:
+        logits = logits + linear_bias.to(dtype)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    y = target.reshape(-1)
+    valid = y != ignore_index
+    lse = torch.logsumexp(logits, dim=-1)
+    zy = logits.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
+    loss = lse - (1.0 - label_smoothing) * zy
+    if label_smoothing:
+        loss = loss - label_smoothing * logits.mean(-1)
+    if z_loss:
+        loss = loss + z_loss * lse.square()
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    out = _reduce(loss, valid, reduction, target.shape)
+    return (out, lse.reshape(target.shape)) if return_lse else out
+
+
+def _reduce(loss_tok: Tensor, valid: Tensor, reduction: str, shape) -> Tensor:
+    if reduction == "none":
+        return loss_tok.reshape(shape)
+    total = loss_tok.sum()
+    if reduction == "sum":
+        return total
+    # An all-ignored batch has loss 0 and zero gradients, never 0/0.
+    return total / valid.sum().clamp(min=1).to(total.dtype)
+
+
+# --- per-shard partials ------------------------------------------------------------
+
+
+@dataclass
+class Partials:
+    """Per token, over this shard's vocabulary: running max `m`, `s = sum exp(z - m)`,
+    `a = sum exp(z - m) * softcap'(z) * W_c` (N, D) and, with softcap and label
+    smoothing, `b = sum softcap'(z) W_c` (N, D); `sz = sum z` only with softcap
+    and label smoothing (otherwise it is h . colsum(W) + sum(bias))."""
+
+    m: Tensor
+    s: Tensor
+    a: Tensor | None = None
+    b: Tensor | None = None
+    sz: Tensor | None = None
+
+
+# Vocabulary tile and token block of the CPU path. Measured (docs/RESULTS.md):
+# 1024-row vocabulary tiles against up to 2048 tokens keep the fp32 logit tile
+# at 8 MiB, within L3, and run the GEMMs at 1.15-1.3x the rate of one big
+# h @ W.T on this 2-core Zen 4.
+CPU_TILE_V = 1024
+CPU_BLOCK_N = 2048
+
+
+def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, need_a: bool, need_b: bool, need_sz: bool) -> Partials:
+    n, d = h.shape
+    v = w.shape[0]
+    m = torch.full((n,), float("-inf"), dtype=torch.float32)
+    s = torch.zeros(n, dtype=torch.float32)
+    a = torch.zeros(n, d, dtype=torch.float32) if need_a else None
+    b = torch.zeros(n, d, dtype=torch.float32) if need_b else None
+    sz = torch.zeros(n, dtype=torch.float32) if need_sz else None
+    for n0 in range(0, n, CPU_BLOCK_N):
+        n1 = min(n, n0 + CPU_BLOCK_N)
+        hb = h[n0:n1].float()
+        mb, sb = m[n0:n1], s[n0:n1]
+        for v0 in range(0, v, CPU_TILE_V):
+            v1 = min(v, v0 + CPU_TILE_V)
+            wt = w[v0:v1].float()
+            z = hb @ wt.T if bias is None else torch.addmm(bias[v0:v1].float(), hb, wt.T)
+            if softcap:
+                t = z.div_(softcap).tanh_()
+                slope = 1.0 - t * t if (need_a or need_b) else None
+                z = t.mul_(softcap)
+            if need_sz:
+                sz[n0:n1] += z.sum(1)
+            m_new = torch.maximum(mb, z.amax(1))
+            alpha = torch.exp(mb - m_new)
+            p = z.sub_(m_new[:, None]).exp_()
+            sb.mul_(alpha).add_(p.sum(1))
+            if need_a:
+                if softcap:
+                    p.mul_(slope)
+                a[n0:n1].mul_(alpha[:, None]).addmm_(p, wt)
+            if need_b:
+                b[n0:n1].addmm_(slope, wt)
+            mb.copy_(m_new)
+    return Partials(m, s, a, b, sz)
+
+
+def _weight_grad_cpu(
+    h: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    y_local: Tensor,
+    lse: Tensor,
+    coef: Tensor,
+    wtok: Tensor,
+    target_w: float,
+    smooth: float,
+    softcap: float,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """dW = G^T h and dbias = sum_n G over this shard, recomputing each logit tile:
+    G[n, c] = softcap'(z) * (coef[n] p[n, c] - wtok[n] (target_w [c == y_n] + smooth)),
+    p = exp(z - lse). Vocabulary tiles are the outer loop, so each dW tile is
+    finished (accumulated in fp32 over all tokens) and stored once."""
+    n, d = h.shape
+    v = w.shape[0]
+    h32 = h.float()
+    dw = torch.empty_like(w)
+    db = torch.zeros(v, dtype=torch.float32) if need_bias else None
+    for v0 in range(0, v, CPU_TILE_V):
+        v1 = min(v, v0 + CPU_TILE_V)
+        wt = w[v0:v1].float()
+        dwt = torch.zeros(v1 - v0, d, dtype=torch.float32)
+        for n0 in range(0, n, CPU_BLOCK_N):
+            n1 = min(n, n0 + CPU_BLOCK_N)
+            hb = h32[n0:n1]
+            z = hb @ wt.T if bias is None else torch.addmm(bias[v0:v1].float(), hb, wt.T)
+            slope = None
+            if softcap:
+                t = z.div_(softcap).tanh_()
+                slope = 1.0 - t * t
+                z = t.mul_(softcap)
+            g = z.sub_(lse[n0:n1, None]).exp_().mul_(coef[n0:n1, None])
+            if smooth:
+                g.sub_(wtok[n0:n1, None] * smooth)
+            yl = y_local[n0:n1]
+            rows = ((yl >= v0) & (yl < v1)).nonzero().squeeze(1)
+            if rows.numel():
+                g[rows, yl[rows] - v0] -= wtok[n0:n1][rows] * target_w
+            if slope is not None:
+                g.mul_(slope)
+            dwt.addmm_(g.T, hb)
+            if need_bias:
+                db[v0:v1] += g.sum(0)
+        dw[v0:v1] = dwt
+    return dw, db
+
+
+# --- dispatch to a device's kernels ------------------------------------------------------
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        if device.type == "cpu":
+            return "cpu"
+        if device.type == "cuda":
+            return "triton"
+        raise ValueError(f"no linear_cross_entropy kernel for device type {device.type!r}; pass impl='reference'")
+    if impl == "cpu" and device.type != "cpu":
+        raise ValueError(f"impl='cpu' needs CPU tensors, got tensors on {device}")
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got tensors on {device}")
+    return impl
+
+
+def _partials(h, w, bias, softcap, need_a, need_b, need_sz, impl) -> Partials:
+    if impl == "triton":
+        from resident_trainer import _ext
+
+        _ext.require_triton("linear_cross_entropy (impl='triton')")
+        from resident_trainer.triton_kernels.linear_cross_entropy import lce_partials_triton
+
+        return Partials(*lce_partials_triton(h, w, bias, softcap, need_a, need_b, need_sz))
+    return _partials_cpu(h, w, bias, softcap, need_a, need_b, need_sz)
+
+
+def _weight_grad(h, w, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl):
+    if impl == "triton":
+        from resident_trainer.triton_kernels.linear_cross_entropy import lce_weight_grad_triton
+
+        return lce_weight_grad_triton(h, w, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias)
+    return _weight_grad_cpu(h, w, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias)
+
+
+# --- combining shards -----------------------------------------------------------------------
+
+
+def _resolve_group(group_name: str):
+    return dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+
+
+def _global_vocab(v_local: int, vocab_start: int, group, device: torch.device) -> int:
+    """Global vocabulary size; with a group, checks that the ranks' shards tile
+    [0, V) in rank order."""
+    if group is None:
+        return v_local
+    world = dist.get_world_size(group)
+    meta = torch.tensor([vocab_start, v_local], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(parts, meta, group=group)
+    pos = 0
+    for r, (start, size) in enumerate(p.tolist() for p in parts):
+        if start != pos:
+            raise ValueError(
+                f"vocab_start: rank {r} of the process group holds rows starting at {start}, "
+                f"expected {pos} (the shards must tile the vocabulary in rank order)"
+            )
+        pos += size
+    return pos
+
+
+def _local_targets(y: Tensor, ignore_index: int, vocab_start: int, v_local: int) -> tuple[Tensor, Tensor]:
+    """(valid, y_local): y_local is the row of W holding the target, or -1."""
+    valid = y != ignore_index
+    yl = y - vocab_start
+    mine = valid & (yl >= 0) & (yl < v_local)
+    return valid, torch.where(mine, yl, torch.full_like(yl, -1))
+
+
+def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_name, need_dh, need_p, impl):
+    n, d = h.shape
+    v_local = w.shape[0]
+    group = _resolve_group(group_name)
+    vocab = _global_vocab(v_local, vocab_start, group, h.device)
+    valid, yl = _local_targets(y, ignore_index, vocab_start, v_local)
+    bad = valid & ((y < 0) | (y >= vocab))
+    if bool(bad.any()):
+        raise ValueError(
+            f"target: value {int(y[bad][0])} is out of range [0, {vocab}) and is not ignore_index={ignore_index}"
+        )
+    f32 = dict(dtype=torch.float32, device=h.device)
+    empty = torch.empty(0, **f32)
+    vtot = torch.tensor(vocab, dtype=torch.int64, device=h.device)
+    if n == 0:
+        return torch.zeros(0, **f32), torch.zeros(0, **f32), torch.zeros(0, d, **f32) if need_dh else empty, empty, vtot
+
+    smooth_per_tile = bool(softcap and eps)
+    parts = _partials(h, w, bias, softcap, need_dh, need_dh and smooth_per_tile, smooth_per_tile, impl)
+
+    # Target logit by an indexed dot (one row of W per token), not from the tiles.
+    mine = yl >= 0
+    ys = yl.clamp(min=0)
+    zy = (h.float() * w[ys].float()).sum(1)
+    if bias is not None:
+        zy = zy + bias[ys].float()
+    ty = None
+    if softcap:
+        ty = torch.tanh(zy / softcap)
+        zy = softcap * ty
+    zy = torch.where(mine, zy, torch.zeros_like(zy))
+    colsum = None
+    if eps and not smooth_per_tile:
+        # sum_c z_c = h . sum_c W_c + sum_c b_c: no per-tile work without softcap.
+        colsum = w.sum(0, dtype=torch.float32)
+        sz = h.float() @ colsum
+        if bias is not None:
+            sz = sz + bias.sum(dtype=torch.float32)
+    else:
+        sz = parts.sz if parts.sz is not None else torch.zeros(n, **f32)
+
+    m = parts.m
+    big_m = m.clone()
+    if group is not None:
+        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
+    scale = torch.exp(m - big_m)
+    stats = torch.stack([parts.s * scale, zy, sz])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    s_tot, zy, sz = stats.unbind(0)
+    lse = big_m + torch.log(s_tot)
+    loss = lse - (1.0 - eps) * zy
+    if eps:
+        loss = loss - (eps / vocab) * sz
+    if zl:
+        loss = loss + zl * lse.square()
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+
+    dh = p = empty
+    if need_dh:
+        # softmax(z) W (softcap-aware), this shard's part, in global normalisation
+        p = parts.a.mul_((scale / s_tot)[:, None])
+        dh = p * (1.0 + 2.0 * zl * lse)[:, None] if (zl or need_p) else p
+        rows = mine.nonzero().squeeze(1)
+        if rows.numel():
+            wy = w[yl[rows]].float()
+            ky = torch.full((rows.numel(),), 1.0 - eps, **f32)
+            if softcap:
+                ky = ky * (1.0 - ty[rows].square())
+            dh.index_put_((rows,), -ky[:, None] * wy, accumulate=True)
+        if eps:
+            dh.sub_((eps / vocab) * (parts.b if parts.b is not None else colsum[None, :]))
+        dh.mul_(valid[:, None])
+        if group is not None:
+            if need_p:
+                both = torch.stack([dh, p])
+                dist.all_reduce(both, group=group)
+                dh, p = both.unbind(0)
+            else:
+                dist.all_reduce(dh, group=group)
+        if not need_p:
+            p = empty
+    return loss, lse, dh, p, vtot
+
+
+# --- torch.library ops and their autograd -------------------------------------------------
+
+_FWD_SCHEMA = (
+    "(Tensor input, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
+    "float softcap, float z_loss, int vocab_start, str group_name, bool need_dh, bool need_p, str impl) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    "(Tensor input, Tensor weight, Tensor? bias, Tensor y_local, Tensor lse, Tensor coef, Tensor wtok, "
+    "float target_w, float smooth, float softcap, bool need_bias, str impl) -> (Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("resident_trainer::linear_cross_entropy", mutates_args=(), schema=_FWD_SCHEMA)
+def _lce_op(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, impl):
+    """Per-token loss (N,), lse (N,), dh per token (N, D) fp32 (unscaled by the
+    upstream gradient; empty unless need_dh), softmax-weighted W (N, D) for the
+    lse gradient (empty unless need_p), and the global vocabulary size."""
+    return _forward(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, impl)
+
+
+@_lce_op.register_fake
+def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, impl):
+    n, d = input.shape
+    f32 = dict(dtype=torch.float32, device=input.device)
+    return (
+        input.new_empty(n, dtype=torch.float32),
+        input.new_empty(n, dtype=torch.float32),
+        torch.empty((n, d) if need_dh else (0,), **f32),
+        torch.empty((n, d) if need_p else (0,), **f32),
+        torch.empty((), dtype=torch.int64, device=input.device),
+    )
+
+
+@torch.library.custom_op("resident_trainer::linear_cross_entropy_weight_grad", mutates_args=(), schema=_BWD_SCHEMA)
+def _lce_weight_grad_op(input, weight, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl):
+    """(dW like weight, dbias (V,) fp32 or empty), recomputing the logit tiles."""
+    dw, db = _weight_grad(input, weight, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl)
+    return dw, db if db is not None else torch.empty(0, dtype=torch.float32, device=input.device)
+
+
+@_lce_weight_grad_op.register_fake
+def _(input, weight, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl):
+    return torch.empty_like(weight), torch.empty(weight.shape[0] if need_bias else 0, dtype=torch.float32, device=weight.device)
+
+
+def _setup_context(ctx, inputs, output):
+    (input, weight, bias, target, ignore_index, eps, softcap, zl, vocab_start, _group, need_dh, need_p, impl) = inputs
+    _loss, lse, dh, p, vtot = output
+    ctx.save_for_backward(input, weight, bias, target, lse, dh, p, vtot)
+    ctx.cfg = (ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl)
+
+
+def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot):
+    input, weight, bias, target, lse, dh, p, vtot = ctx.saved_tensors
+    ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl = ctx.cfg
+    d_input = d_weight = d_bias = None
+    if ctx.needs_input_grad[0]:
+        if not need_dh:
+            raise RuntimeError("linear_cross_entropy: input needs a gradient but dh was not computed in forward")
+        grad = dh * g_loss[:, None]
+        if need_p and g_lse is not None:
+            grad = grad + p * g_lse[:, None]
+        d_input = grad.to(input.dtype)
+    need_bias = bias is not None and ctx.needs_input_grad[2]
+    if ctx.needs_input_grad[1] or need_bias:
+        valid, yl = _local_targets(target, ignore_index, vocab_start, weight.shape[0])
+        wtok = torch.where(valid, g_loss, torch.zeros_like(g_loss)).float()
+        coef = wtok * (1.0 + 2.0 * zl * lse) if zl else wtok
+        if g_lse is not None:
+            coef = coef + g_lse
+        vocab = vtot.item() if eps else 1
+        dw, db = torch.ops.resident_trainer.linear_cross_entropy_weight_grad(
+            input, weight, bias, yl, lse, coef, wtok, 1.0 - eps, eps / vocab, softcap, need_bias, impl
+        )
+        d_weight = dw if ctx.needs_input_grad[1] else None
+        d_bias = db.to(bias.dtype) if need_bias else None
+    return d_input, d_weight, d_bias, None, None, None, None, None, None, None, None, None, None
+
+
+_lce_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- public API ---------------------------------------------------------------------------
+
+
+def _check_args(input, linear_weight, target, linear_bias, reduction, ignore_index, label_smoothing, softcap, z_loss, process_group, vocab_start, impl):
+    for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if linear_weight.dim() != 2:
+        raise ValueError(f"linear_weight must be 2-D (V, D), got shape {tuple(linear_weight.shape)}")
+    d = linear_weight.shape[1]
+    if input.dim() < 2 or input.shape[-1] != d:
+        raise ValueError(
+            f"input must be (N, D) or (B, T, D) with D = linear_weight.shape[1] = {d}, got shape {tuple(input.shape)}"
+        )
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"target must have shape {tuple(input.shape[:-1])} (input's leading dims), got {tuple(target.shape)}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target must be an integer tensor of class indices, got {target.dtype}")
+    if not input.dtype.is_floating_point:
+        raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
+    if linear_weight.dtype != input.dtype:
+        raise TypeError(f"input ({input.dtype}) and linear_weight ({linear_weight.dtype}) must have the same dtype")
+    for name, t in (("linear_weight", linear_weight), ("target", target)):
+        if t.device != input.device:
+            raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
+    if linear_bias is not None:
+        if not isinstance(linear_bias, Tensor):
+            raise TypeError(f"linear_bias must be a torch.Tensor or None, got {type(linear_bias).__name__}")
+        if tuple(linear_bias.shape) != (linear_weight.shape[0],):
+            raise ValueError(f"linear_bias must have shape ({linear_weight.shape[0]},), got {tuple(linear_bias.shape)}")
+        if linear_bias.dtype != input.dtype:
+            raise TypeError(f"linear_bias ({linear_bias.dtype}) must have input's dtype ({input.dtype})")
+        if linear_bias.device != input.device:
+            raise ValueError(f"linear_bias is on {linear_bias.device} but input is on {input.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not float(z_loss) >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if not isinstance(vocab_start, int) or isinstance(vocab_start, bool) or vocab_start < 0:
+        raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    if process_group is None and vocab_start != 0:
+        raise ValueError(f"vocab_start={vocab_start} needs a process_group (W is then this rank's vocabulary shard)")
+    if impl == "reference" and process_group is not None:
+        raise ValueError("impl='reference' materializes the full logits and takes no process_group")
+
+
+def linear_cross_entropy(
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    linear_bias: Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    process_group=None,
+    vocab_start: int = 0,
+    return_lse: bool = False,
+    impl: str = "auto",
+):
+    """Cross-entropy of ``input @ linear_weight.T (+ linear_bias)`` against `target`,
+    computed in vocabulary tiles without allocating the logits.
+
+    Computes what ``F.cross_entropy((input @ W.T + bias).float(), target,
+    reduction=..., ignore_index=..., label_smoothing=...)`` computes, with
+    ``softcap * tanh(logits / softcap)`` applied first when `softcap` is set and
+    ``z_loss * lse**2`` added per (non-ignored) token when `z_loss` is set. A
+    drop-in for ``torch.nn.functional.linear_cross_entropy`` where the arguments
+    overlap. A batch whose targets are all `ignore_index` has loss 0 and zero
+    gradients.
+
+    Shapes: input (N, D) or (B, T, D); linear_weight (V, D) (this rank's rows
+    ``[vocab_start, vocab_start + V)`` when `process_group` is given); target
+    (N,) or (B, T) integer class indices in the global vocabulary. Returns the
+    fp32 loss (a scalar, or per token for reduction="none") and, with
+    ``return_lse=True``, also the fp32 per-token log-sum-exp (differentiable).
+
+    Gradients: input always (computed in the forward pass and scaled in
+    backward); linear_weight and linear_bias when they require grad
+    (recomputing the logit tiles in backward).
+
+    impl: "auto" (the C++/torch tiled path on CPU, Triton on GPU), "cpu",
+    "triton", or "reference" (the materializing oracle)."""
+    _check_args(input, linear_weight, target, linear_bias, reduction, ignore_index, label_smoothing, softcap, z_loss, process_group, vocab_start, impl)
+    if impl == "reference":
+        return linear_cross_entropy_reference(
+            input, linear_weight, target, linear_bias=linear_bias, reduction=reduction, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss, return_lse=return_lse,
+        )
+    impl = _resolve_impl(impl, input.device)
+    d = linear_weight.shape[1]
+    h = input.reshape(-1, d)
+    y = target.reshape(-1).long()
+    need_dh = torch.is_grad_enabled() and input.requires_grad
+    need_p = need_dh and return_lse
+    group_name = process_group.group_name if process_group is not None else ""
+    loss_tok, lse, _dh, _p, _v = torch.ops.resident_trainer.linear_cross_entropy(
+        h, linear_weight, linear_bias, y, ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss),
+        vocab_start, group_name, need_dh, need_p, impl,
+    )
+    out = _reduce(loss_tok, y != ignore_index, reduction, target.shape)
+    return (out, lse.reshape(target.shape)) if return_lse else out

@@ -203,6 +203,103 @@ def _weight_grad_cpu(
     return dw, db
 
 
+# Logit buffer of the weight-gradient path: 32 MiB is under 3% of what eager
+# torch allocates at N=2048, V=49152, and gives 160-row chunks there, enough
+# for the GEMMs to run near their large-shape rate on this CPU.
+CPU_CHUNK_BYTES = 32 << 20
+
+
+def _logits_into(z: Tensor, h32: Tensor, w: Tensor, bias: Tensor | None) -> None:
+    if w.dtype == torch.float32:
+        torch.mm(h32, w.T, out=z)
+        if bias is not None:
+            z.add_(bias)
+        return
+    # Upcast W a tile at a time: never a full fp32 copy of the head.
+    for v0 in range(0, w.shape[0], CPU_TILE_V):
+        v1 = min(w.shape[0], v0 + CPU_TILE_V)
+        zt = z[:, v0:v1]
+        torch.mm(h32, w[v0:v1].float().T, out=zt)
+        if bias is not None:
+            zt.add_(bias[v0:v1].float())
+
+
+def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, eps, softcap, zl, group, need_dh, need_bias):
+    """Loss, lse, dh and the unit-weight dW/dbias in one pass over token chunks,
+    each chunk's full logit row kept in a bounded buffer: 2NDV for the logits,
+    2NDV for dh, 2NDV for dW, no recompute. Valid when the upstream gradient is
+    the same for every token (reduction "mean" or "sum", lse not returned):
+    backward scales dW by it. Each chunk's statistics are combined across
+    vocabulary shards before its gradients are formed."""
+    n, d = h.shape
+    v = w.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    chunk = max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v, 1) * (2 if softcap else 1))))
+    z_buf = torch.empty(chunk, v, **f32)
+    slope_buf = torch.empty(chunk, v, **f32) if softcap else None
+    dw = torch.zeros(v, d, **f32)
+    db = torch.zeros(v, **f32) if need_bias else torch.empty(0, **f32)
+    dh = torch.zeros(n, d, **f32) if need_dh else torch.empty(0, **f32)
+    loss = torch.empty(n, **f32)
+    lse = torch.empty(n, **f32)
+    w32 = w if w.dtype == torch.float32 else None
+    for n0 in range(0, n, chunk):
+        n1 = min(n, n0 + chunk)
+        c = n1 - n0
+        hc = h[n0:n1].float()
+        z = z_buf[:c]
+        _logits_into(z, hc, w, bias)
+        slope = None
+        if softcap:
+            z.div_(softcap).tanh_()
+            slope = torch.mul(z, z, out=slope_buf[:c]).neg_().add_(1.0)
+            z.mul_(softcap)
+        sz = z.sum(1) if (eps and softcap) else sz_all[n0:n1]
+        big_m = z.amax(1)
+        if group is not None:
+            dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
+        p = z.sub_(big_m[:, None]).exp_()
+        stats = torch.stack([p.sum(1), zy[n0:n1], sz])
+        if group is not None:
+            dist.all_reduce(stats, group=group)
+        s_tot, zy_c, sz = stats.unbind(0)
+        lse_c = big_m + torch.log(s_tot)
+        lse[n0:n1] = lse_c
+        loss_c = lse_c - (1.0 - eps) * zy_c
+        if eps:
+            loss_c = loss_c - (eps / vocab) * sz
+        if zl:
+            loss_c = loss_c + zl * lse_c.square()
+        vc = valid[n0:n1]
+        loss[n0:n1] = torch.where(vc, loss_c, torch.zeros_like(loss_c))
+        # G = valid * (softmax * (1 + 2 zl lse) - (1 - eps) onehot - eps / V) * softcap'
+        k = vc.float() / s_tot
+        if zl:
+            k = k * (1.0 + 2.0 * zl * lse_c)
+        g = p.mul_(k[:, None])
+        if eps:
+            g.sub_((vc.float() * (eps / vocab))[:, None])
+        ylc = yl[n0:n1]
+        rows = (ylc >= 0).nonzero().squeeze(1)
+        if rows.numel():
+            g[rows, ylc[rows]] -= 1.0 - eps
+        if slope is not None:
+            g.mul_(slope)
+        if need_dh:
+            if w32 is not None:
+                torch.mm(g, w32, out=dh[n0:n1])
+            else:
+                for v0 in range(0, v, CPU_TILE_V):
+                    v1 = min(v, v0 + CPU_TILE_V)
+                    dh[n0:n1].addmm_(g[:, v0:v1], w[v0:v1].float())
+        dw.addmm_(g.T, hc)
+        if need_bias:
+            db += g.sum(0)
+    if need_dh and group is not None:
+        dist.all_reduce(dh, group=group)
+    return loss, lse, dh, dw.to(w.dtype), db
+
+
 # --- dispatch to a device's kernels ------------------------------------------------------
 
 
@@ -276,7 +373,7 @@ def _local_targets(y: Tensor, ignore_index: int, vocab_start: int, v_local: int)
     return valid, torch.where(mine, yl, torch.full_like(yl, -1))
 
 
-def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_name, need_dh, need_p, impl):
+def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
     n, d = h.shape
     v_local = w.shape[0]
     group = _resolve_group(group_name)
@@ -288,13 +385,16 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
             f"target: value {int(y[bad][0])} is out of range [0, {vocab}) and is not ignore_index={ignore_index}"
         )
     f32 = dict(dtype=torch.float32, device=h.device)
-    empty = torch.empty(0, **f32)
-    vtot = torch.tensor(vocab, dtype=torch.int64, device=h.device)
-    if n == 0:
-        return torch.zeros(0, **f32), torch.zeros(0, **f32), torch.zeros(0, d, **f32) if need_dh else empty, empty, vtot
 
-    smooth_per_tile = bool(softcap and eps)
-    parts = _partials(h, w, bias, softcap, need_dh, need_dh and smooth_per_tile, smooth_per_tile, impl)
+    def empty():  # a fresh one each time: op outputs must not alias each other
+        return torch.empty(0, **f32)
+
+    vtot = torch.tensor(vocab, dtype=torch.int64, device=h.device)
+    weights_in_forward = need_wgrad or need_bgrad
+    if n == 0:
+        dw = torch.zeros_like(w) if weights_in_forward else empty()
+        db = torch.zeros(v_local, **f32) if need_bgrad else empty()
+        return torch.zeros(0, **f32), torch.zeros(0, **f32), torch.zeros(0, d, **f32) if need_dh else empty(), empty(), vtot, dw, db
 
     # Target logit by an indexed dot (one row of W per token), not from the tiles.
     mine = yl >= 0
@@ -307,6 +407,7 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         ty = torch.tanh(zy / softcap)
         zy = softcap * ty
     zy = torch.where(mine, zy, torch.zeros_like(zy))
+    smooth_per_tile = bool(softcap and eps)
     colsum = None
     if eps and not smooth_per_tile:
         # sum_c z_c = h . sum_c W_c + sum_c b_c: no per-tile work without softcap.
@@ -315,8 +416,16 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         if bias is not None:
             sz = sz + bias.sum(dtype=torch.float32)
     else:
-        sz = parts.sz if parts.sz is not None else torch.zeros(n, **f32)
+        sz = torch.zeros(n, **f32)
+    if weights_in_forward:
+        loss, lse, dh, dw, db = _forward_weight_grad_cpu(
+            h, w, bias, valid, yl, zy, sz, vocab, eps, softcap, zl, group, need_dh, need_bgrad
+        )
+        return loss, lse, dh, empty(), vtot, dw, db
 
+    parts = _partials(h, w, bias, softcap, need_dh, need_dh and smooth_per_tile, smooth_per_tile, impl)
+    if parts.sz is not None:
+        sz = parts.sz
     m = parts.m
     big_m = m.clone()
     if group is not None:
@@ -334,7 +443,7 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         loss = loss + zl * lse.square()
     loss = torch.where(valid, loss, torch.zeros_like(loss))
 
-    dh = p = empty
+    dh, p = empty(), empty()
     if need_dh:
         # softmax(z) W (softcap-aware), this shard's part, in global normalisation
         p = parts.a.mul_((scale / s_tot)[:, None])
@@ -357,16 +466,16 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
             else:
                 dist.all_reduce(dh, group=group)
         if not need_p:
-            p = empty
-    return loss, lse, dh, p, vtot
+            p = empty()
+    return loss, lse, dh, p, vtot, empty(), empty()
 
 
 # --- torch.library ops and their autograd -------------------------------------------------
 
 _FWD_SCHEMA = (
     "(Tensor input, Tensor weight, Tensor? bias, Tensor target, int ignore_index, float label_smoothing, "
-    "float softcap, float z_loss, int vocab_start, str group_name, bool need_dh, bool need_p, str impl) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "float softcap, float z_loss, int vocab_start, str group_name, bool need_dh, bool need_p, bool need_wgrad, "
+    "bool need_bgrad, str impl) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor input, Tensor weight, Tensor? bias, Tensor y_local, Tensor lse, Tensor coef, Tensor wtok, "
@@ -375,15 +484,16 @@ _BWD_SCHEMA = (
 
 
 @torch.library.custom_op("resident_trainer::linear_cross_entropy", mutates_args=(), schema=_FWD_SCHEMA)
-def _lce_op(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, impl):
+def _lce_op(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
     """Per-token loss (N,), lse (N,), dh per token (N, D) fp32 (unscaled by the
     upstream gradient; empty unless need_dh), softmax-weighted W (N, D) for the
-    lse gradient (empty unless need_p), and the global vocabulary size."""
-    return _forward(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, impl)
+    lse gradient (empty unless need_p), the global vocabulary size, and dW / dbias
+    for unit per-token weights (empty unless need_wgrad / need_bgrad)."""
+    return _forward(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl)
 
 
 @_lce_op.register_fake
-def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, impl):
+def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
     n, d = input.shape
     f32 = dict(dtype=torch.float32, device=input.device)
     return (
@@ -392,6 +502,8 @@ def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_los
         torch.empty((n, d) if need_dh else (0,), **f32),
         torch.empty((n, d) if need_p else (0,), **f32),
         torch.empty((), dtype=torch.int64, device=input.device),
+        torch.empty_like(weight) if (need_wgrad or need_bgrad) else torch.empty(0, **f32),
+        torch.empty(weight.shape[0] if need_bgrad else 0, **f32),
     )
 
 
@@ -408,14 +520,14 @@ def _(input, weight, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, 
 
 
 def _setup_context(ctx, inputs, output):
-    (input, weight, bias, target, ignore_index, eps, softcap, zl, vocab_start, _group, need_dh, need_p, impl) = inputs
-    _loss, lse, dh, p, vtot = output
-    ctx.save_for_backward(input, weight, bias, target, lse, dh, p, vtot)
+    (input, weight, bias, target, ignore_index, eps, softcap, zl, vocab_start, _group, need_dh, need_p, _nw, _nb, impl) = inputs
+    _loss, lse, dh, p, vtot, dw, db = output
+    ctx.save_for_backward(input, weight, bias, target, lse, dh, p, vtot, dw, db)
     ctx.cfg = (ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl)
 
 
-def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot):
-    input, weight, bias, target, lse, dh, p, vtot = ctx.saved_tensors
+def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot, _g_dw, _g_db):
+    input, weight, bias, target, lse, dh, p, vtot, dw_unit, db_unit = ctx.saved_tensors
     ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl = ctx.cfg
     d_input = d_weight = d_bias = None
     if ctx.needs_input_grad[0]:
@@ -426,7 +538,15 @@ def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot):
             grad = grad + p * g_lse[:, None]
         d_input = grad.to(input.dtype)
     need_bias = bias is not None and ctx.needs_input_grad[2]
-    if ctx.needs_input_grad[1] or need_bias:
+    if dw_unit.numel() or db_unit.numel():
+        # Weight gradients were formed in forward for unit per-token weights;
+        # the caller only asks for this when the upstream gradient is uniform.
+        scale = g_loss[:1].float() if g_loss.numel() else torch.zeros(1, dtype=torch.float32, device=weight.device)
+        if ctx.needs_input_grad[1]:
+            d_weight = (dw_unit.float() * scale).to(weight.dtype)
+        if need_bias:
+            d_bias = (db_unit * scale).to(bias.dtype)
+    elif ctx.needs_input_grad[1] or need_bias:
         valid, yl = _local_targets(target, ignore_index, vocab_start, weight.shape[0])
         wtok = torch.where(valid, g_loss, torch.zeros_like(g_loss)).float()
         coef = wtok * (1.0 + 2.0 * zl * lse) if zl else wtok
@@ -438,7 +558,7 @@ def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot):
         )
         d_weight = dw if ctx.needs_input_grad[1] else None
         d_bias = db.to(bias.dtype) if need_bias else None
-    return d_input, d_weight, d_bias, None, None, None, None, None, None, None, None, None, None
+    return (d_input, d_weight, d_bias) + (None,) * 12
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -547,10 +667,15 @@ def linear_cross_entropy(
     y = target.reshape(-1).long()
     need_dh = torch.is_grad_enabled() and input.requires_grad
     need_p = need_dh and return_lse
+    # Weight gradients in the forward pass (no recompute) need an upstream
+    # gradient that is the same for every token: a reduced loss, lse unused.
+    uniform = reduction != "none" and not return_lse and impl == "cpu" and torch.is_grad_enabled()
+    need_wgrad = uniform and linear_weight.requires_grad
+    need_bgrad = uniform and linear_bias is not None and linear_bias.requires_grad
     group_name = process_group.group_name if process_group is not None else ""
-    loss_tok, lse, _dh, _p, _v = torch.ops.resident_trainer.linear_cross_entropy(
+    loss_tok, lse, *_ = torch.ops.resident_trainer.linear_cross_entropy(
         h, linear_weight, linear_bias, y, ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss),
-        vocab_start, group_name, need_dh, need_p, impl,
+        vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl,
     )
     out = _reduce(loss_tok, y != ignore_index, reduction, target.shape)
     return (out, lse.reshape(target.shape)) if return_lse else out

@@ -2,6 +2,7 @@
 itself matches a word-by-word pure-Python statement of the spec; invariance to
 tiling, threads, contiguity and offset; sensitivity to every bit; shards."""
 
+import datetime
 import math
 import os
 import re
@@ -328,31 +329,31 @@ def test_import_without_extension_and_error_says_how_to_build():
     assert "resident_trainer._C" in out and "pip install --no-build-isolation -e ." in out
 
 
-def _sharded_worker(rank, world, port, shards, shape, dtype, results):
+def _sharded_worker(rank, world, store_path, shards, shape, dtype, results):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         shard, offset = shards[rank]
         results[rank] = rt.fingerprint_sharded(shard, offset=offset, shape=shape)
     finally:
+        # Rank 0 hosts the rendezvous store: leaving before the others are
+        # done tears it down under them (a C++ abort at exit).
+        dist.barrier()
         dist.destroy_process_group()
 
 
-def test_fingerprint_sharded_over_gloo(gen):
-    import socket
-
+def test_fingerprint_sharded_over_gloo(gen, tmp_path):
     import torch.multiprocessing as mp
 
     t = rand_tensor((9, 6), torch.bfloat16, gen)
     flat = t.reshape(-1)
     shards = [(flat[0:18].clone(), 0), (flat[18:36].clone(), 18), (flat[36:].clone(), 36)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_sharded_worker, args=(3, port, shards, tuple(t.shape), t.dtype, results), nprocs=3, join=True)
+    mp.spawn(_sharded_worker, args=(3, str(tmp_path / "store"), shards, tuple(t.shape), t.dtype, results), nprocs=3, join=True)
     assert dict(results) == {0: rt.fingerprint(t), 1: rt.fingerprint(t), 2: rt.fingerprint(t)}
 
 

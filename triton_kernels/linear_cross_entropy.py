@@ -18,6 +18,8 @@ tanh is written with exp (tanh(x) = 1 - 2 / (exp(2x) + 1)): exact in the limits
 (+-1 when exp overflows or underflows) and available in the interpreter.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,10 +31,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    # Triton 3.9's interpreter multiplies bf16 operands as their raw uint16
+    # bits (create_dot has no bf16 case; seen 2026-11). Under the interpreter,
+    # upcast first: bf16 x bf16 products are exact in fp32, as on tensor cores.
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _logit_tile(
     h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd, stride_wv, stride_wd,
     softcap, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """(z, t): the fp32 logit tile (softcapped) and tanh(z_raw / softcap) (or z)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -41,7 +53,7 @@ def _logit_tile(
         dm = ds < D
         hb = tl.load(h_ptr + rows[:, None] * stride_hn + ds[None, :] * stride_hd, mask=row_mask[:, None] & dm[None, :], other=0.0)
         wb = tl.load(w_ptr + cols[:, None] * stride_wv + ds[None, :] * stride_wd, mask=col_mask[:, None] & dm[None, :], other=0.0)
-        acc += tl.dot(hb, tl.trans(wb), input_precision=DOT_PRECISION)
+        acc += _dot(hb, tl.trans(wb), DOT_PRECISION, INTERPRET)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     t = acc
@@ -58,7 +70,8 @@ def _lce_partials_kernel(
     N, V, D,
     softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, NEED_SZ: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,7 +83,7 @@ def _lce_partials_kernel(
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < V
         z, t = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION)
+                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, INTERPRET)
         if NEED_SZ:
             sz += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
         z = tl.where(col_mask[None, :], z, float("-inf"))
@@ -92,12 +105,12 @@ def _lce_partials_kernel(
                 if NEED_A:
                     a_ptrs = a_ptr + rows[:, None] * D + ds[None, :]
                     acc = tl.load(a_ptrs, mask=amask, other=0.0) * alpha[:, None]
-                    acc += tl.dot(p.to(wb.dtype), wb, input_precision=DOT_PRECISION)
+                    acc += _dot(p.to(wb.dtype), wb, DOT_PRECISION, INTERPRET)
                     tl.store(a_ptrs, acc, mask=amask)
                 if NEED_B:
                     b_ptrs = bb_ptr + rows[:, None] * D + ds[None, :]
                     accb = tl.load(b_ptrs, mask=amask, other=0.0)
-                    accb += tl.dot(slope.to(wb.dtype), wb, input_precision=DOT_PRECISION)
+                    accb += _dot(slope.to(wb.dtype), wb, DOT_PRECISION, INTERPRET)
                     tl.store(b_ptrs, accb, mask=amask)
     tl.store(m_ptr + rows, m, mask=row_mask)
     tl.store(s_ptr + rows, s, mask=row_mask)
@@ -112,7 +125,8 @@ def _lce_weight_grad_kernel(
     N, V, D,
     target_w, smooth, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = pid * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -122,7 +136,7 @@ def _lce_weight_grad_kernel(
         rows = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         row_mask = rows < N
         z, t = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION)
+                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, INTERPRET)
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
         coef = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
         wtok = tl.load(wtok_ptr + rows, mask=row_mask, other=0.0)
@@ -141,7 +155,7 @@ def _lce_weight_grad_kernel(
             dw_ptrs = dw_ptr + cols[:, None] * D + ds[None, :]
             wmask = col_mask[:, None] & dm[None, :]
             acc = tl.load(dw_ptrs, mask=wmask, other=0.0)
-            acc += tl.dot(tl.trans(g.to(hb.dtype)), hb, input_precision=DOT_PRECISION)
+            acc += _dot(tl.trans(g.to(hb.dtype)), hb, DOT_PRECISION, INTERPRET)
             tl.store(dw_ptrs, acc, mask=wmask)
     if NEED_BIAS:
         tl.store(db_ptr + cols, db, mask=col_mask)
@@ -150,6 +164,10 @@ def _lce_weight_grad_kernel(
 # Default tiles for GPUs: 64 tokens x 128 vocabulary rows, D in slices of 64,
 # keep two fp32 tiles (logits, accumulator slice) in registers with 8 warps.
 BLOCKS = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -178,7 +196,7 @@ def lce_partials_triton(h, w, bias, softcap, need_a, need_b, need_sz, blocks=Non
         n, v, d,
         float(softcap or 0.0),
         HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), NEED_A=need_a, NEED_B=need_b, NEED_SZ=need_sz,
-        DOT_PRECISION=_precision(h.dtype), num_warps=8 if h.is_cuda else 1, **bl,
+        DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpreted(), num_warps=8 if h.is_cuda else 1, **bl,
     )
     return m, s, a, b, sz
 
@@ -199,6 +217,6 @@ def lce_weight_grad_triton(h, w, bias, y_local, lse, coef, wtok, target_w, smoot
         n, v, d,
         float(target_w), float(smooth), float(softcap or 0.0),
         HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), NEED_BIAS=need_bias,
-        DOT_PRECISION=_precision(h.dtype), num_warps=8 if h.is_cuda else 1, **bl,
+        DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpreted(), num_warps=8 if h.is_cuda else 1, **bl,
     )
     return dw.to(w.dtype), db

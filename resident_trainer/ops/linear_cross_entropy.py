@@ -52,19 +52,24 @@ def linear_cross_entropy_reference(
     z_loss: float = 0.0,
     return_lse: bool = False,
     dtype: torch.dtype = torch.float32,
+    matmul_dtype: torch.dtype | None = None,
 ):
     """Plain-torch oracle: ``F.cross_entropy((input @ W.T + bias).to(dtype), target)``
     with optional softcap and z-loss, materializing the (N, V) logits in `dtype`
     (float32 by default; float64 for ground truth). Differentiable by autograd.
+    `matmul_dtype` (default: `dtype`) is the dtype of the product itself:
+    ``matmul_dtype=torch.bfloat16`` is what torch does for bf16 inputs.
 
     Per token: ``lse - (1 - eps) z_y - eps * mean_c z_c + z_loss * lse**2``, 0 for
     ignored tokens; "mean" divides by the number of non-ignored tokens (0 when
     there are none, where torch returns NaN)."""
     d = linear_weight.shape[-1]
-    h = input.reshape(-1, d).to(dtype)
-    logits = h @ linear_weight.to(dtype).T
+    mdt = matmul_dtype or dtype
+    h = input.reshape(-1, d).to(mdt)
+    logits = h @ linear_weight.to(mdt).T
     if linear_bias is not None:
-        logits = logits + linear_bias.to(dtype)
+        logits = logits + linear_bias.to(mdt)
+    logits = logits.to(dtype)
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     y = target.reshape(-1)
@@ -224,7 +229,7 @@ def _logits_into(z: Tensor, h32: Tensor, w: Tensor, bias: Tensor | None) -> None
             zt.add_(bias[v0:v1].float())
 
 
-def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, eps, softcap, zl, group, need_dh, need_bias):
+def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bias):
     """Loss, lse, dh and the unit-weight dW/dbias in one pass over token chunks,
     each chunk's full logit row kept in a bounded buffer: 2NDV for the logits,
     2NDV for dh, 2NDV for dW, no recompute. Valid when the upstream gradient is
@@ -234,7 +239,9 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, eps, soft
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
-    chunk = max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v, 1) * (2 if softcap else 1))))
+    # Every rank must cut the same chunks (their statistics are all-reduced
+    # chunk by chunk), so the size follows the largest shard, not this one.
+    chunk = max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v_largest, 1) * (2 if softcap else 1))))
     z_buf = torch.empty(chunk, v, **f32)
     slope_buf = torch.empty(chunk, v, **f32) if softcap else None
     dw = torch.zeros(v, d, **f32)
@@ -297,7 +304,9 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, eps, soft
             db += g.sum(0)
     if need_dh and group is not None:
         dist.all_reduce(dh, group=group)
-    return loss, lse, dh, dw.to(w.dtype), db
+    # fp32 even for 16-bit heads: backward still multiplies by the upstream
+    # gradient, and rounding before that multiply would round twice.
+    return loss, lse, dh, dw, db
 
 
 # --- dispatch to a device's kernels ------------------------------------------------------
@@ -345,24 +354,25 @@ def _resolve_group(group_name: str):
     return dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
 
 
-def _global_vocab(v_local: int, vocab_start: int, group, device: torch.device) -> int:
-    """Global vocabulary size; with a group, checks that the ranks' shards tile
-    [0, V) in rank order."""
+def _global_vocab(v_local: int, vocab_start: int, group, device: torch.device) -> tuple[int, int]:
+    """(global vocabulary size, largest shard); with a group, checks that the
+    ranks' shards tile [0, V) in rank order."""
     if group is None:
-        return v_local
+        return v_local, v_local
     world = dist.get_world_size(group)
     meta = torch.tensor([vocab_start, v_local], dtype=torch.int64, device=device)
     parts = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(parts, meta, group=group)
-    pos = 0
+    pos = largest = 0
     for r, (start, size) in enumerate(p.tolist() for p in parts):
+        largest = max(largest, size)
         if start != pos:
             raise ValueError(
                 f"vocab_start: rank {r} of the process group holds rows starting at {start}, "
                 f"expected {pos} (the shards must tile the vocabulary in rank order)"
             )
         pos += size
-    return pos
+    return pos, largest
 
 
 def _local_targets(y: Tensor, ignore_index: int, vocab_start: int, v_local: int) -> tuple[Tensor, Tensor]:
@@ -377,7 +387,7 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
     n, d = h.shape
     v_local = w.shape[0]
     group = _resolve_group(group_name)
-    vocab = _global_vocab(v_local, vocab_start, group, h.device)
+    vocab, v_largest = _global_vocab(v_local, vocab_start, group, h.device)
     valid, yl = _local_targets(y, ignore_index, vocab_start, v_local)
     bad = valid & ((y < 0) | (y >= vocab))
     if bool(bad.any()):
@@ -392,7 +402,7 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
     vtot = torch.tensor(vocab, dtype=torch.int64, device=h.device)
     weights_in_forward = need_wgrad or need_bgrad
     if n == 0:
-        dw = torch.zeros_like(w) if weights_in_forward else empty()
+        dw = torch.zeros(w.shape, **f32) if weights_in_forward else empty()
         db = torch.zeros(v_local, **f32) if need_bgrad else empty()
         return torch.zeros(0, **f32), torch.zeros(0, **f32), torch.zeros(0, d, **f32) if need_dh else empty(), empty(), vtot, dw, db
 
@@ -419,7 +429,7 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         sz = torch.zeros(n, **f32)
     if weights_in_forward:
         loss, lse, dh, dw, db = _forward_weight_grad_cpu(
-            h, w, bias, valid, yl, zy, sz, vocab, eps, softcap, zl, group, need_dh, need_bgrad
+            h, w, bias, valid, yl, zy, sz, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bgrad
         )
         return loss, lse, dh, empty(), vtot, dw, db
 
@@ -462,7 +472,8 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
             if need_p:
                 both = torch.stack([dh, p])
                 dist.all_reduce(both, group=group)
-                dh, p = both.unbind(0)
+                # op outputs must not share storage: one of the halves is copied
+                dh, p = both[0], both[1].clone()
             else:
                 dist.all_reduce(dh, group=group)
         if not need_p:
@@ -502,7 +513,7 @@ def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_los
         torch.empty((n, d) if need_dh else (0,), **f32),
         torch.empty((n, d) if need_p else (0,), **f32),
         torch.empty((), dtype=torch.int64, device=input.device),
-        torch.empty_like(weight) if (need_wgrad or need_bgrad) else torch.empty(0, **f32),
+        torch.empty(weight.shape, **f32) if (need_wgrad or need_bgrad) else torch.empty(0, **f32),
         torch.empty(weight.shape[0] if need_bgrad else 0, **f32),
     )
 

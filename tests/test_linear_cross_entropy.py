@@ -1,0 +1,447 @@
+"""linear_cross_entropy against the fp64 oracle, on every output (loss, per-token
+loss, lse, dh, dW, dbias), with tolerances measured against torch's own error in
+the same dtype: err_ours <= K * err_torch + ATOL * scale."""
+
+import datetime
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import resident_trainer.ops.linear_cross_entropy as lce
+from resident_trainer.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from resident_trainer.triton_kernels import linear_cross_entropy as tk
+
+# Measured on this suite (fixed seeds): in fp32 every output of ours is within
+# 4.5e-7 x scale of the fp64 truth (torch's own fp32 error is the same size);
+# in bf16 ours stays within 1.23 x torch's bf16 error + 1e-3 x scale (ours
+# rounds once, at the output; torch rounds the logits too). K=2 leaves room
+# for other BLAS builds; a wrong, missing or doubled term is O(scale), three
+# (bf16) to six (fp32) orders of magnitude above ATOL.
+K = 2.0
+ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+
+FLAGS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "smooth": {"label_smoothing": 0.1},
+    "softcap": {"softcap": 4.0},
+    "zloss": {"z_loss": 1e-2},
+    "all": {"bias": True, "label_smoothing": 0.2, "softcap": 3.0, "z_loss": 1e-3},
+}
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    # Small tiles so that tiny shapes still cross several vocabulary tiles,
+    # token blocks and logit chunks on every path.
+    monkeypatch.setattr(lce, "CPU_TILE_V", 64)
+    monkeypatch.setattr(lce, "CPU_BLOCK_N", 16)
+    monkeypatch.setattr(lce, "CPU_CHUNK_BYTES", 7 * 4 * 512)
+    monkeypatch.setitem(tk.BLOCKS, "BLOCK_N", 16)
+    monkeypatch.setitem(tk.BLOCKS, "BLOCK_V", 32)
+    monkeypatch.setitem(tk.BLOCKS, "BLOCK_D", 16)
+
+
+def make(n, d, v, dtype, gen, ignore_frac=0.2, lead=None):
+    h = (torch.randn(n, d, generator=gen) * 0.7).to(dtype)
+    w = (torch.randn(v, d, generator=gen) * 0.5).to(dtype)
+    b = (torch.randn(v, generator=gen) * 0.3).to(dtype)
+    y = torch.randint(0, v, (n,), generator=gen)
+    y[torch.rand(n, generator=gen) < ignore_frac] = -100
+    if lead is not None:
+        h, y = h.reshape(*lead, d), y.reshape(lead)
+    return h, w, b, y
+
+
+def run(fn, h, w, b, y, *, grads=("h", "w", "b"), upstream=None, lse_weight=None, **kw):
+    """Loss (and lse) plus the gradients of sum(upstream * loss) + sum(lse_weight * lse)."""
+    h = h.detach().clone().requires_grad_("h" in grads)
+    w = w.detach().clone().requires_grad_("w" in grads)
+    b = None if b is None else b.detach().clone().requires_grad_("b" in grads)
+    out = fn(h, w, y, linear_bias=b, return_lse=lse_weight is not None, **kw)
+    loss, lse = out if lse_weight is not None else (out, None)
+    total = (loss * (upstream if upstream is not None else 1.0)).sum()
+    if lse_weight is not None:
+        total = total + (lse * lse_weight).sum()
+    leaves = {"h": h, "w": w, "b": b}
+    wanted = [k for k in grads if leaves[k] is not None]
+    gs = torch.autograd.grad(total, [leaves[k] for k in wanted]) if wanted else []
+    res = {"loss": loss.detach(), "lse": None if lse is None else lse.detach()}
+    res.update({f"d{k}": g for k, g in zip(wanted, gs)})
+    return res
+
+
+def oracle(dtype, matmul_dtype=None):
+    def fn(h, w, y, **kw):
+        return linear_cross_entropy_reference(h, w, y, dtype=dtype, matmul_dtype=matmul_dtype, **kw)
+
+    return fn
+
+
+def ours(impl):
+    def fn(h, w, y, **kw):
+        return linear_cross_entropy(h, w, y, impl=impl, **kw)
+
+    return fn
+
+
+def assert_close_to_truth(got, torch_same, truth, dtype, what="", scales=None):
+    """err <= K * err_torch + ATOL * scale per output, where scale is the larger
+    of the output's magnitude and the size of one term of its sum (a wrong or
+    missing term is at least that big, while cancellation can make the output
+    itself tiny)."""
+    for key, gt in truth.items():
+        if gt is None:
+            continue
+        assert got[key] is not None and got[key].shape == gt.shape, (what, key)
+        assert got[key].dtype == (torch.float32 if key in ("loss", "lse") else dtype), (what, key, got[key].dtype)
+        scale = max(gt.abs().max().item() if gt.numel() else 0.0, (scales or {}).get(key, 0.0), 1e-30)
+        err = (got[key].double() - gt).abs().max().item() if gt.numel() else 0.0
+        err_torch = (torch_same[key].double() - gt).abs().max().item() if gt.numel() else 0.0
+        assert err <= K * err_torch + ATOL[dtype] * scale, f"{what} {key}: err {err:.3g} vs torch {err_torch:.3g} (scale {scale:.3g})"
+
+
+def term_scales(h, w, y, reduction, upstream, lse_weight, lse_truth):
+    """Size of one term of each output's sum: |lse| for the loss, one
+    upstream-weighted row of W for dh, of h for dW, the weight itself for dbias."""
+    valid = (y != -100).reshape(-1)
+    if reduction == "none":
+        g = (upstream if upstream is not None else torch.ones(y.shape)).abs().reshape(-1)
+    else:
+        g = torch.full((valid.numel(),), abs(float(upstream if upstream is not None else 1.0)))
+        if reduction == "mean":
+            g = g / max(int(valid.sum()), 1)
+    gmax = g.max().item() if g.numel() else 0.0
+    if lse_weight is not None:
+        gmax += lse_weight.abs().max().item()
+    lmax = lse_truth.abs().max().item() if lse_truth.numel() else 0.0
+    return {"loss": lmax, "lse": lmax, "dh": w.abs().max().item() * gmax, "dw": h.abs().max().item() * gmax, "db": gmax}
+
+
+def check(impl, dtype, n, d, v, gen, flags=(), reduction="mean", grads=("h", "w", "b"), upstream=False, lse=False, lead=None, **extra):
+    cfg = dict(FLAGS[flags] if isinstance(flags, str) else {})
+    use_bias = cfg.pop("bias", False)
+    h, w, b, y = make(n, d, v, dtype, gen, lead=lead)
+    b = b if use_bias else None
+    kw = dict(reduction=reduction, **cfg, **extra)
+    shape = y.shape
+    if upstream:
+        kw["upstream"] = torch.randn(shape, generator=gen) if reduction == "none" else 3.7
+    if lse:
+        kw["lse_weight"] = torch.randn(shape, generator=gen)
+    truth = run(oracle(torch.float64), h.double(), w.double(), None if b is None else b.double(), y, grads=grads, **kw)
+    same = run(oracle(torch.float32, dtype), h, w, b, y, grads=grads, **kw)
+    got = run(ours(impl), h, w, b, y, grads=grads, **kw)
+    _, lse_truth = linear_cross_entropy_reference(h.double(), w.double(), y, linear_bias=None if b is None else b.double(), return_lse=True, dtype=torch.float64, **cfg)
+    scales = term_scales(h.float(), w.float(), y, reduction, kw.get("upstream"), kw.get("lse_weight"), lse_truth)
+    assert_close_to_truth(got, same, truth, dtype, f"{impl} {dtype} {flags} {reduction}", scales)
+    return got, truth
+
+
+# --- the oracle itself ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
+def test_oracle_is_torch_cross_entropy(reduction, label_smoothing, gen):
+    h, w, b, y = make(23, 11, 97, torch.float64, gen)
+    want = F.cross_entropy(h @ w.T + b, y, reduction=reduction, label_smoothing=label_smoothing)
+    got = linear_cross_entropy_reference(h, w, y, linear_bias=b, reduction=reduction, label_smoothing=label_smoothing, dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want_nc = F.linear_cross_entropy(h, w, y, linear_bias=b, reduction=reduction, label_smoothing=label_smoothing)
+    torch.testing.assert_close(got, want_nc, rtol=1e-12, atol=1e-12)
+
+
+def test_oracle_softcap_and_zloss_by_hand(gen):
+    h, w, _, y = make(9, 5, 17, torch.float64, gen, ignore_frac=0.0)
+    z = 2.5 * torch.tanh((h @ w.T) / 2.5)
+    lse = torch.logsumexp(z, 1)
+    want = F.cross_entropy(z, y, reduction="none") + 0.1 * lse**2
+    got, got_lse = linear_cross_entropy_reference(h, w, y, softcap=2.5, z_loss=0.1, reduction="none", return_lse=True, dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_lse, lse, rtol=1e-12, atol=1e-12)
+
+
+# --- every output, every flag, both dtypes, both kernels ----------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("flags", list(FLAGS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cpu_every_flag(dtype, flags, reduction, gen):
+    check("cpu", dtype, 37, 19, 301, gen, flags, reduction, upstream=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("flags", ["plain", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_triton_every_flag(dtype, flags, reduction, gen):
+    check("triton", dtype, 37, 19, 301, gen, flags, reduction, upstream=True)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("flags", ["smooth", "softcap", "zloss", "bias"])
+def test_triton_and_cpu_flags_fp32(impl, flags, gen):
+    check(impl, torch.float32, 21, 33, 97, gen, flags, "mean")
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize(
+    "n,d,v",
+    [
+        (1, 7, 33),  # one token, odd D
+        (2, 16, 64),  # exact tile multiples
+        (17, 5, 1),  # a one-word vocabulary
+        (33, 24, 129),  # one past a tile
+    ],
+)
+def test_awkward_shapes(impl, n, d, v, gen):
+    check(impl, torch.float32, n, d, v, gen, "all", "mean")
+    check(impl, torch.float32, n, d, v, gen, "plain", "none", upstream=True)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("grads", [("h",), ("w",), ("w", "b"), ("h", "w", "b"), ()], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gradient_subsets(impl, grads, reduction, gen):
+    # A frozen head (dh only), a frozen input (dW only), everything, nothing.
+    got, _ = check(impl, torch.float32, 19, 13, 150, gen, "bias", reduction, grads=grads, upstream=True)
+    assert sorted(k for k in got if k.startswith("d")) == sorted(f"d{g}" for g in grads)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_lse_output_and_its_gradient(impl, dtype, reduction, gen):
+    check(impl, dtype, 29, 12, 200, gen, "all", reduction, upstream=True, lse=True)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+def test_3d_input(impl, gen):
+    got, truth = check(impl, torch.float32, 12, 10, 90, gen, "bias", "none", lead=(3, 4), upstream=True)
+    assert got["loss"].shape == (3, 4) and got["dh"].shape == (3, 4, 10)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+def test_non_contiguous_inputs(impl, gen):
+    h, w, b, y = make(20, 14, 120, torch.float32, gen)
+    h_nc = torch.randn(14, 20, generator=gen).T  # a transposed view
+    h_nc.copy_(h)
+    w_nc = torch.randn(14, 120, generator=gen).T
+    w_nc.copy_(w)
+    y_nc = torch.stack([y, y], 1)[:, 0]
+    assert not h_nc.is_contiguous() and not w_nc.is_contiguous() and not y_nc.is_contiguous()
+    want = run(ours(impl), h, w, b, y)
+    got = run(ours(impl), h_nc, w_nc, b, y_nc)
+    for key in ("loss", "dh", "dw", "db"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_gives_zero_not_nan(impl, reduction, gen):
+    h, w, b, y = make(8, 6, 40, torch.float32, gen)
+    y[:] = -100
+    got = run(ours(impl), h, w, b, y, reduction=reduction, label_smoothing=0.1, z_loss=1e-2)
+    for key in ("loss", "dh", "dw", "db"):
+        assert torch.isfinite(got[key]).all() and (got[key] == 0).all(), key
+    # torch itself returns NaN here
+    assert torch.isnan(F.cross_entropy(h @ w.T, y))
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+def test_custom_ignore_index(impl, gen):
+    h, w, b, y = make(30, 8, 50, torch.float32, gen, ignore_frac=0.0)
+    y[::3] = 7
+    want = F.cross_entropy((h @ w.T).double(), y, ignore_index=7)
+    got = linear_cross_entropy(h, w, y, ignore_index=7, impl=impl)
+    assert abs(got.item() - want.item()) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+def test_empty_batch(impl):
+    h = torch.zeros(0, 8, requires_grad=True)
+    w = torch.randn(30, 8, requires_grad=True)
+    y = torch.zeros(0, dtype=torch.long)
+    for reduction in ("mean", "sum"):
+        loss = linear_cross_entropy(h, w, y, reduction=reduction, impl=impl)
+        loss.backward()
+        assert loss.item() == 0 and h.grad.shape == (0, 8) and (w.grad == 0).all()
+    assert linear_cross_entropy(h, w, y, reduction="none", impl=impl).shape == (0,)
+
+
+def test_no_grad_skips_gradient_work(gen):
+    h, w, b, y = make(16, 8, 70, torch.float32, gen)
+    with torch.no_grad():
+        loss, lse = linear_cross_entropy(h.requires_grad_(), w, y, return_lse=True)
+    want, want_lse = linear_cross_entropy_reference(h, w, y, return_lse=True)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(lse, want_lse)
+
+
+def test_weight_grad_paths_agree(gen, monkeypatch):
+    # The in-forward weight gradient (uniform upstream) and the recompute path
+    # (per-token upstream) give the same dW for the same per-token weights.
+    h, w, b, y = make(25, 9, 130, torch.float32, gen)
+    a = run(ours("cpu"), h, w, b, y, reduction="sum", softcap=2.0, label_smoothing=0.1)
+    c = run(ours("cpu"), h, w, b, y, reduction="none", softcap=2.0, label_smoothing=0.1, upstream=torch.ones(25))
+    for key in ("dh", "dw", "db"):
+        torch.testing.assert_close(a[key], c[key], rtol=1e-5, atol=1e-6)
+
+
+def test_drop_in_for_torch_linear_cross_entropy(gen):
+    h, w, b, y = make(40, 12, 77, torch.float64, gen)
+    want = F.linear_cross_entropy(h.float(), w.float(), y, linear_bias=b.float(), label_smoothing=0.1)
+    got = linear_cross_entropy(h.float(), w.float(), y, linear_bias=b.float(), label_smoothing=0.1)
+    assert abs(got.item() - want.item()) < 1e-5
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_errors_name_the_argument(gen):
+    h, w, b, y = make(6, 4, 10, torch.float32, gen)
+    with pytest.raises(ValueError, match="input must be .* D = linear_weight.shape\\[1\\] = 4"):
+        linear_cross_entropy(h[:, :3], w, y)
+    with pytest.raises(ValueError, match="linear_weight must be 2-D"):
+        linear_cross_entropy(h, w[None], y)
+    with pytest.raises(ValueError, match="target must have shape \\(6,\\)"):
+        linear_cross_entropy(h, w, y[:5])
+    with pytest.raises(TypeError, match="target must be an integer tensor"):
+        linear_cross_entropy(h, w, y.float())
+    with pytest.raises(TypeError, match="input \\(torch.bfloat16\\) and linear_weight \\(torch.float32\\)"):
+        linear_cross_entropy(h.bfloat16(), w, y)
+    with pytest.raises(ValueError, match="linear_weight is on meta but input is on cpu"):
+        linear_cross_entropy(h, w.to("meta"), y)
+    with pytest.raises(ValueError, match="linear_bias must have shape \\(10,\\)"):
+        linear_cross_entropy(h, w, y, linear_bias=b[:9])
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        linear_cross_entropy(h, w, y, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        linear_cross_entropy(h, w, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap must be None or > 0"):
+        linear_cross_entropy(h, w, y, softcap=0.0)
+    with pytest.raises(ValueError, match="vocab_start=3 needs a process_group"):
+        linear_cross_entropy(h, w, y, vocab_start=3)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        linear_cross_entropy(h, w, y, impl="cuda")
+    bad = y.clone()
+    bad[2] = 10
+    with pytest.raises(ValueError, match="target: value 10 is out of range \\[0, 10\\)"):
+        linear_cross_entropy(h, w, bad)
+    bad[2] = -5
+    with pytest.raises(ValueError, match="target: value -5"):
+        linear_cross_entropy(h, w, bad)
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph(gen):
+    h, w, b, y = make(24, 8, 60, torch.float32, gen)
+
+    def step(h, w, b, y):
+        loss = linear_cross_entropy(h, w, y, linear_bias=b, label_smoothing=0.1)
+        return loss * 2.0
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    want = run(lambda h, w, y, linear_bias, return_lse: step(h, w, linear_bias, y), h, w, b, y)
+    got = run(lambda h, w, y, linear_bias, return_lse: compiled(h, w, linear_bias, y), h, w, b, y)
+    for key in ("loss", "dh", "dw", "db"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_inductor_fullgraph(gen):
+    h, w, b, y = make(24, 8, 60, torch.float32, gen)
+    compiled = torch.compile(lambda h, w, y: linear_cross_entropy(h, w, y, reduction="none").sum(), fullgraph=True)
+    want = run(lambda h, w, y, linear_bias, return_lse: linear_cross_entropy(h, w, y, reduction="none").sum(), h, w, None, y)
+    got = run(lambda h, w, y, linear_bias, return_lse: compiled(h, w, y), h, w, None, y)
+    for key in ("loss", "dh", "dw"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+# --- vocabulary parallel over gloo ------------------------------------------------------------
+
+
+def _tp_worker(rank, world, store_path, sizes):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        lce.CPU_TILE_V, lce.CPU_BLOCK_N, lce.CPU_CHUNK_BYTES = 32, 8, 4 * 64 * 8
+        tk.BLOCKS.update(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16)
+        gen = torch.Generator().manual_seed(99)
+        v = sum(sizes)
+        h, w, b, y = make(21, 11, v, torch.float32, gen)
+        up = torch.randn(21, generator=gen)
+        lw = torch.randn(21, generator=gen)
+        start = sum(sizes[:rank])
+        stop = start + sizes[rank]
+        for impl in ("cpu", "triton"):
+            for kw in (
+                dict(reduction="mean"),
+                dict(reduction="none", upstream=up, lse_weight=lw, softcap=3.0, label_smoothing=0.1, z_loss=1e-2),
+                dict(reduction="sum", softcap=2.0, label_smoothing=0.2),
+            ):
+                truth = run(oracle(torch.float64), h.double(), w.double(), b.double(), y, **kw)
+
+                def mine(hh, ww, yy, **k):
+                    return linear_cross_entropy(hh, ww, yy, process_group=dist.group.WORLD, vocab_start=start, impl=impl, **k)
+
+                got = run(mine, h, w[start:stop], b[start:stop], y, **kw)
+                what = f"rank {rank}/{world} {impl} {kw.get('reduction')}"
+                for key, want in (("loss", truth["loss"]), ("lse", truth["lse"]), ("dh", truth["dh"]),
+                                  ("dw", truth["dw"][start:stop]), ("db", truth["db"][start:stop])):
+                    if want is None:
+                        continue
+                    err = (got[key].double() - want).abs().max().item()
+                    assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{what} {key}: {err}"
+        # shards that do not tile the vocabulary are refused on every rank
+        try:
+            linear_cross_entropy(h, w[start:stop], y, process_group=dist.group.WORLD, vocab_start=start + (rank == world - 1))
+        except ValueError as exc:
+            assert "vocab_start: rank" in str(exc)
+        else:
+            raise AssertionError("overlapping shards were accepted")
+    finally:
+        # Rank 0 hosts the rendezvous store: leaving before the others are
+        # done tears it down under them (a C++ abort at exit).
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [(60, 41), (30, 37, 34)], ids=["2 ranks", "3 ranks"])
+def test_vocab_parallel_over_gloo(sizes, tmp_path):
+    import torch.multiprocessing as mp
+
+    # A file store: no port to race for with other processes on the machine.
+    mp.spawn(_tp_worker, args=(len(sizes), str(tmp_path / "store"), sizes), nprocs=len(sizes), join=True)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("flags", list(FLAGS))
+def test_gpu_triton(dtype, flags, monkeypatch):
+    monkeypatch.setitem(tk.BLOCKS, "BLOCK_N", 64)
+    monkeypatch.setitem(tk.BLOCKS, "BLOCK_V", 128)
+    monkeypatch.setitem(tk.BLOCKS, "BLOCK_D", 64)
+    gen = torch.Generator().manual_seed(5)
+    cfg = dict(FLAGS[flags])
+    use_bias = cfg.pop("bias", False)
+    h, w, b, y = make(517, 576, 4099, dtype, gen)
+    dev = lambda t: None if t is None else t.cuda()  # noqa: E731
+    b = b if use_bias else None
+    truth = run(oracle(torch.float64), h.double().cuda(), w.double().cuda(), None if b is None else b.double().cuda(), y.cuda(), **cfg)
+    same = run(oracle(torch.float32, dtype), dev(h), dev(w), dev(b), y.cuda(), **cfg)
+    got = run(ours("triton"), dev(h), dev(w), dev(b), y.cuda(), **cfg)
+    assert_close_to_truth(got, same, truth, dtype, f"gpu {dtype} {flags}")

@@ -281,6 +281,18 @@ def test_no_grad_skips_gradient_work(gen):
     torch.testing.assert_close(lse, want_lse)
 
 
+def test_second_backward_through_the_same_graph_fails_loudly(gen):
+    # Backward scales the saved gradients in place; a second backward must
+    # raise rather than scale them twice.
+    h, w, b, y = make(10, 6, 30, torch.float32, gen)
+    h.requires_grad_()
+    w.requires_grad_()
+    loss = linear_cross_entropy(h, w, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_weight_grad_paths_agree(gen, monkeypatch):
     # The in-forward weight gradient (uniform upstream) and the recompute path
     # (per-token upstream) give the same dW for the same per-token weights.
@@ -354,10 +366,17 @@ def test_torch_compile_fullgraph(gen):
 
 
 def test_torch_compile_inductor_fullgraph(gen):
+    # reduction="none" with label smoothing: the recompute path for dW, whose
+    # backward needs the global vocabulary size from the forward pass.
     h, w, b, y = make(24, 8, 60, torch.float32, gen)
-    compiled = torch.compile(lambda h, w, y: linear_cross_entropy(h, w, y, reduction="none").sum(), fullgraph=True)
-    want = run(lambda h, w, y, linear_bias, return_lse: linear_cross_entropy(h, w, y, reduction="none").sum(), h, w, None, y)
+
+    def step(h, w, y):
+        return (linear_cross_entropy(h, w, y, reduction="none", label_smoothing=0.1) * torch.arange(24.0)).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    want = run(lambda h, w, y, linear_bias, return_lse: step(h, w, y), h, w, None, y)
     got = run(lambda h, w, y, linear_bias, return_lse: compiled(h, w, y), h, w, None, y)
+    assert torch.allclose(want["loss"], linear_cross_entropy_reference(h, w, y, reduction="none", label_smoothing=0.1).mul(torch.arange(24.0)).sum())
     for key in ("loss", "dh", "dw"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 

@@ -490,7 +490,7 @@ _FWD_SCHEMA = (
 )
 _BWD_SCHEMA = (
     "(Tensor input, Tensor weight, Tensor? bias, Tensor y_local, Tensor lse, Tensor coef, Tensor wtok, "
-    "float target_w, float smooth, float softcap, bool need_bias, str impl) -> (Tensor, Tensor)"
+    "float label_smoothing, Tensor vocab_total, float softcap, bool need_bias, str impl) -> (Tensor, Tensor)"
 )
 
 
@@ -519,14 +519,17 @@ def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_los
 
 
 @torch.library.custom_op("resident_trainer::linear_cross_entropy_weight_grad", mutates_args=(), schema=_BWD_SCHEMA)
-def _lce_weight_grad_op(input, weight, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl):
-    """(dW like weight, dbias (V,) fp32 or empty), recomputing the logit tiles."""
-    dw, db = _weight_grad(input, weight, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl)
+def _lce_weight_grad_op(input, weight, bias, y_local, lse, coef, wtok, label_smoothing, vocab_total, softcap, need_bias, impl):
+    """(dW like weight, dbias (V,) fp32 or empty), recomputing the logit tiles.
+    vocab_total is a 0-d tensor (the global vocabulary size from forward), read
+    here rather than in the traced backward."""
+    smooth = label_smoothing / int(vocab_total) if label_smoothing else 0.0
+    dw, db = _weight_grad(input, weight, bias, y_local, lse, coef, wtok, 1.0 - label_smoothing, smooth, softcap, need_bias, impl)
     return dw, db if db is not None else torch.empty(0, dtype=torch.float32, device=input.device)
 
 
 @_lce_weight_grad_op.register_fake
-def _(input, weight, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl):
+def _(input, weight, bias, y_local, lse, coef, wtok, label_smoothing, vocab_total, softcap, need_bias, impl):
     return torch.empty_like(weight), torch.empty(weight.shape[0] if need_bias else 0, dtype=torch.float32, device=weight.device)
 
 
@@ -544,9 +547,12 @@ def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot, _g_dw, _g_db):
     if ctx.needs_input_grad[0]:
         if not need_dh:
             raise RuntimeError("linear_cross_entropy: input needs a gradient but dh was not computed in forward")
-        grad = dh * g_loss[:, None]
+        # In place on the saved dh: no second (N, D) buffer at the peak. A
+        # second backward through the same graph then fails loudly (the saved
+        # tensor's version changed) instead of scaling twice.
+        grad = dh.mul_(g_loss[:, None])
         if need_p and g_lse is not None:
-            grad = grad + p * g_lse[:, None]
+            grad.addcmul_(p, g_lse[:, None])
         d_input = grad.to(input.dtype)
     need_bias = bias is not None and ctx.needs_input_grad[2]
     if dw_unit.numel() or db_unit.numel():
@@ -554,7 +560,7 @@ def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot, _g_dw, _g_db):
         # the caller only asks for this when the upstream gradient is uniform.
         scale = g_loss[:1].float() if g_loss.numel() else torch.zeros(1, dtype=torch.float32, device=weight.device)
         if ctx.needs_input_grad[1]:
-            d_weight = (dw_unit.float() * scale).to(weight.dtype)
+            d_weight = dw_unit.mul_(scale).to(weight.dtype)  # in place, as dh above
         if need_bias:
             d_bias = (db_unit * scale).to(bias.dtype)
     elif ctx.needs_input_grad[1] or need_bias:
@@ -563,9 +569,8 @@ def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot, _g_dw, _g_db):
         coef = wtok * (1.0 + 2.0 * zl * lse) if zl else wtok
         if g_lse is not None:
             coef = coef + g_lse
-        vocab = vtot.item() if eps else 1
         dw, db = torch.ops.resident_trainer.linear_cross_entropy_weight_grad(
-            input, weight, bias, yl, lse, coef, wtok, 1.0 - eps, eps / vocab, softcap, need_bias, impl
+            input, weight, bias, yl, lse, coef, wtok, eps, vtot, softcap, need_bias, impl
         )
         d_weight = dw if ctx.needs_input_grad[1] else None
         d_bias = db.to(bias.dtype) if need_bias else None

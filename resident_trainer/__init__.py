@@ -2,6 +2,7 @@
 
 Public ops (see docs/ for the full reference):
     fingerprint, fingerprint_tensors   64-bit digests of frozen weights
+    linear_cross_entropy               exact CE of h @ W.T in vocabulary tiles
 """
 
 from resident_trainer._ext import HAS_C, HAS_TRITON
@@ -13,6 +14,7 @@ from resident_trainer.ops.fingerprint import (
     fingerprint_tensors,
     combine_partials,
 )
+from resident_trainer.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 __version__ = "0.1.0"
 
@@ -25,4 +27,6 @@ __all__ = [
     "fingerprint_partial",
     "fingerprint_sharded",
     "fingerprint_tensors",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
 ]

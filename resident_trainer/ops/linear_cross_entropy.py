@@ -121,25 +121,45 @@ CPU_TILE_V = 1024
 CPU_BLOCK_N = 2048
 
 
+def _tile(buf: Tensor, rows: int, cols: int) -> Tensor:
+    """A contiguous (rows, cols) view of the front of a flat scratch buffer."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _logit_tile_cpu(buf: Tensor, hb: Tensor, w: Tensor, bias: Tensor | None, v0: int, v1: int) -> Tensor:
+    z = _tile(buf, hb.shape[0], v1 - v0)
+    torch.mm(hb, w[v0:v1].T if w.dtype == torch.float32 else w[v0:v1].float().T, out=z)
+    if bias is not None:
+        z.add_(bias[v0:v1])
+    return z
+
+
 def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, need_a: bool, need_b: bool, need_sz: bool) -> Partials:
     n, d = h.shape
     v = w.shape[0]
-    m = torch.full((n,), float("-inf"), dtype=torch.float32)
-    s = torch.zeros(n, dtype=torch.float32)
-    a = torch.zeros(n, d, dtype=torch.float32) if need_a else None
-    b = torch.zeros(n, d, dtype=torch.float32) if need_b else None
-    sz = torch.zeros(n, dtype=torch.float32) if need_sz else None
+    f32 = dict(dtype=torch.float32, device=h.device)
+    m = torch.full((n,), float("-inf"), **f32)
+    s = torch.zeros(n, **f32)
+    a = torch.zeros(n, d, **f32) if need_a else None
+    b = torch.zeros(n, d, **f32) if need_b else None
+    sz = torch.zeros(n, **f32) if need_sz else None
+    # One logit tile (and one softcap slope tile) reused for every tile: the
+    # peak stays at a few tiles' worth however large V is.
+    buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
+    slope_buf = torch.empty_like(buf) if softcap and (need_a or need_b) else None
     for n0 in range(0, n, CPU_BLOCK_N):
         n1 = min(n, n0 + CPU_BLOCK_N)
         hb = h[n0:n1].float()
         mb, sb = m[n0:n1], s[n0:n1]
         for v0 in range(0, v, CPU_TILE_V):
             v1 = min(v, v0 + CPU_TILE_V)
-            wt = w[v0:v1].float()
-            z = hb @ wt.T if bias is None else torch.addmm(bias[v0:v1].float(), hb, wt.T)
+            wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
+            z = _logit_tile_cpu(buf, hb, wt, None if bias is None else bias[v0:v1].float(), 0, v1 - v0)
+            slope = None
             if softcap:
                 t = z.div_(softcap).tanh_()
-                slope = 1.0 - t * t if (need_a or need_b) else None
+                if slope_buf is not None:
+                    slope = torch.mul(t, t, out=_tile(slope_buf, n1 - n0, v1 - v0)).neg_().add_(1.0)
                 z = t.mul_(softcap)
             if need_sz:
                 sz[n0:n1] += z.sum(1)
@@ -148,7 +168,7 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, nee
             p = z.sub_(m_new[:, None]).exp_()
             sb.mul_(alpha).add_(p.sum(1))
             if need_a:
-                if softcap:
+                if slope is not None:
                     p.mul_(slope)
                 a[n0:n1].mul_(alpha[:, None]).addmm_(p, wt)
             if need_b:
@@ -177,20 +197,24 @@ def _weight_grad_cpu(
     n, d = h.shape
     v = w.shape[0]
     h32 = h.float()
+    f32 = dict(dtype=torch.float32, device=h.device)
     dw = torch.empty_like(w)
-    db = torch.zeros(v, dtype=torch.float32) if need_bias else None
+    db = torch.zeros(v, **f32) if need_bias else None
+    buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
+    slope_buf = torch.empty_like(buf) if softcap else None
     for v0 in range(0, v, CPU_TILE_V):
         v1 = min(v, v0 + CPU_TILE_V)
-        wt = w[v0:v1].float()
-        dwt = torch.zeros(v1 - v0, d, dtype=torch.float32)
+        wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
+        dwt = dw[v0:v1] if w.dtype == torch.float32 else torch.empty(v1 - v0, d, **f32)
+        dwt.zero_()
         for n0 in range(0, n, CPU_BLOCK_N):
             n1 = min(n, n0 + CPU_BLOCK_N)
             hb = h32[n0:n1]
-            z = hb @ wt.T if bias is None else torch.addmm(bias[v0:v1].float(), hb, wt.T)
+            z = _logit_tile_cpu(buf, hb, wt, None if bias is None else bias[v0:v1].float(), 0, v1 - v0)
             slope = None
             if softcap:
                 t = z.div_(softcap).tanh_()
-                slope = 1.0 - t * t
+                slope = torch.mul(t, t, out=_tile(slope_buf, n1 - n0, v1 - v0)).neg_().add_(1.0)
                 z = t.mul_(softcap)
             g = z.sub_(lse[n0:n1, None]).exp_().mul_(coef[n0:n1, None])
             if smooth:
@@ -204,9 +228,13 @@ def _weight_grad_cpu(
             dwt.addmm_(g.T, hb)
             if need_bias:
                 db[v0:v1] += g.sum(0)
-        dw[v0:v1] = dwt
+        if dwt.data_ptr() != dw[v0:v1].data_ptr():
+            dw[v0:v1] = dwt
     return dw, db
 
+
+# Token rows per gather of target rows of W (bounds those (rows, D) temporaries).
+_GATHER_ROWS = 256
 
 # Logit buffer of the weight-gradient path: 32 MiB is under 3% of what eager
 # torch allocates at N=2048, V=49152, and gives 160-row chunks there, enough
@@ -409,7 +437,10 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
     # Target logit by an indexed dot (one row of W per token), not from the tiles.
     mine = yl >= 0
     ys = yl.clamp(min=0)
-    zy = (h.float() * w[ys].float()).sum(1)
+    zy = torch.empty(n, **f32)
+    for n0 in range(0, n, _GATHER_ROWS):  # bounded (rows, D) temporaries
+        n1 = min(n, n0 + _GATHER_ROWS)
+        zy[n0:n1] = (h[n0:n1].float() * w[ys[n0:n1]].float()).sum(1)
     if bias is not None:
         zy = zy + bias[ys].float()
     ty = None
@@ -458,13 +489,13 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         # softmax(z) W (softcap-aware), this shard's part, in global normalisation
         p = parts.a.mul_((scale / s_tot)[:, None])
         dh = p * (1.0 + 2.0 * zl * lse)[:, None] if (zl or need_p) else p
-        rows = mine.nonzero().squeeze(1)
-        if rows.numel():
-            wy = w[yl[rows]].float()
-            ky = torch.full((rows.numel(),), 1.0 - eps, **f32)
+        all_rows = mine.nonzero().squeeze(1)
+        for r0 in range(0, all_rows.numel(), _GATHER_ROWS):
+            rows = all_rows[r0 : r0 + _GATHER_ROWS]
+            ky = torch.full((rows.numel(),), -(1.0 - eps), **f32)
             if softcap:
                 ky = ky * (1.0 - ty[rows].square())
-            dh.index_put_((rows,), -ky[:, None] * wy, accumulate=True)
+            dh.index_put_((rows,), w[yl[rows]].float().mul_(ky[:, None]), accumulate=True)
         if eps:
             dh.sub_((eps / vocab) * (parts.b if parts.b is not None else colsum[None, :]))
         dh.mul_(valid[:, None])
@@ -537,12 +568,19 @@ def _setup_context(ctx, inputs, output):
     (input, weight, bias, target, ignore_index, eps, softcap, zl, vocab_start, _group, need_dh, need_p, _nw, _nb, impl) = inputs
     _loss, lse, dh, p, vtot, dw, db = output
     ctx.save_for_backward(input, weight, bias, target, lse, dh, p, vtot, dw, db)
+    # Only loss and lse carry gradients. Without these two calls autograd
+    # would hand backward a zero-filled tensor for every other output: an
+    # extra (V, D) fp32 buffer for dW alone.
+    ctx.mark_non_differentiable(dh, p, vtot, dw, db)
+    ctx.set_materialize_grads(False)
     ctx.cfg = (ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl)
 
 
 def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot, _g_dw, _g_db):
     input, weight, bias, target, lse, dh, p, vtot, dw_unit, db_unit = ctx.saved_tensors
     ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl = ctx.cfg
+    if g_loss is None:  # only the lse was used
+        g_loss = torch.zeros_like(lse)
     d_input = d_weight = d_bias = None
     if ctx.needs_input_grad[0]:
         if not need_dh:

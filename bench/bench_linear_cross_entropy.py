@@ -1,0 +1,215 @@
+"""Linear cross-entropy, forward + backward: time, ratio to eager torch, and
+peak extra memory, with every provider measured in the same run.
+
+Providers: ours; eager torch ``F.cross_entropy(h @ W.T, y)`` (the reference);
+torch 2.13's chunked ``F.linear_cross_entropy`` with its automatic options and
+with ``batch_chunk_size=256``; Apple's cut-cross-entropy (``torch_compile`` on
+CPU, its Triton kernel on GPU); Liger-Kernel's fused linear cross-entropy (GPU
+only); and the matmul floor: the op's matmul FLOPs at the rate a plain
+``h @ W.T`` of the same shape reaches, i.e. k x time(h @ W.T) with k = 2 for a
+frozen head (logits + dh) and 3 with dW.
+
+Peak extra memory is measured per provider in a fresh process: after one
+warm-up step, the resident set high-water mark (VmHWM, reset through
+/proc/self/clear_refs) minus the resident size before the step, minus the
+returned gradients (dh, and dW in the dW mode); on a GPU,
+torch.cuda.max_memory_allocated the same way.
+
+    make bench                                           # everything in bench/
+    pytest bench/bench_linear_cross_entropy.py -s        # this file
+    RT_BENCH_LCE_FULL=1 pytest bench/bench_linear_cross_entropy.py -s   # every shape
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import resident_trainer as rt
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+SMOLLM2 = (576, 49152)
+LLAMA3_8B = (4096, 128256)
+if os.environ.get("RT_BENCH_LCE_FULL") == "1":
+    SHAPES = [(n, d, v) for d, v in (SMOLLM2, LLAMA3_8B) for n in (512, 2048, 8192)]
+elif DEVICE == "cuda":
+    SHAPES = [(8192, *LLAMA3_8B), (2048, *SMOLLM2)]
+else:
+    # The CPU goal shape; the full grid takes hours on two cores.
+    SHAPES = [(2048, *SMOLLM2)]
+ROUNDS = 5 if DEVICE == "cuda" else 3
+
+
+def _ours(h, w, y):
+    return rt.linear_cross_entropy(h, w, y)
+
+
+def _eager(h, w, y):
+    return F.cross_entropy((h @ w.T).float(), y)
+
+
+def _torch_chunked_auto(h, w, y):
+    return F.linear_cross_entropy(h, w, y, options=torch.nn.LinearCrossEntropyOptions())
+
+
+def _torch_chunked_256(h, w, y):
+    return F.linear_cross_entropy(h, w, y, options=torch.nn.LinearCrossEntropyOptions(batch_chunk_size=256))
+
+
+def _cce(h, w, y):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(h, w, y, impl="cce" if h.is_cuda else "torch_compile")
+
+
+def _liger(h, w, y):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss()(w, h, y)
+
+
+PROVIDERS = {
+    "ours": _ours,
+    "torch eager (reference)": _eager,
+    "torch chunked, auto options": _torch_chunked_auto,
+    "torch chunked, batch_chunk_size=256": _torch_chunked_256,
+    "cut-cross-entropy": _cce,
+    "liger-kernel": _liger,
+}
+NEEDS = {"cut-cross-entropy": "cut_cross_entropy", "liger-kernel": "liger_kernel"}
+GPU_ONLY = {"liger-kernel"}
+
+
+def make_inputs(n, d, v, mode, device=DEVICE, dtype=DTYPE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, d, generator=g) * 0.5).to(device=device, dtype=dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * d**-0.5).to(device=device, dtype=dtype).requires_grad_(mode == "dW")
+    y = torch.randint(0, v, (n,), generator=g).to(device)
+    return h, w, y
+
+
+def step(fn, h, w, y):
+    h.grad = None
+    w.grad = None
+    fn(h, w, y).backward()
+    if h.is_cuda:
+        torch.cuda.synchronize()
+
+
+def _rss_kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure_peak_extra_mib(provider, mode, n, d, v):
+    """Peak memory of one fwd+bwd step above its inputs, minus the returned
+    gradients, in MiB (run this in a fresh process)."""
+    fn = PROVIDERS[provider]
+    h, w, y = make_inputs(n, d, v, mode)
+    step(fn, h, w, y)  # warm-up: compilation, allocator pools
+    h.grad = w.grad = None
+    gc.collect()
+    returned = h.numel() * h.element_size() + (w.numel() * w.element_size() if mode == "dW" else 0)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(fn, h, w, y)
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        # Give freed heap pages back so that the high-water mark sees the step.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        base = _rss_kib("VmRSS") * 1024
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        step(fn, h, w, y)
+        peak = _rss_kib("VmHWM") * 1024 - base
+    return max(peak - returned, 0) / 2**20
+
+
+def _peak_in_subprocess(provider, mode, n, d, v):
+    cmd = [sys.executable, __file__, "--peak", provider, mode, str(n), str(d), str(v)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        return f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+    return round(json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_mib"], 1)
+
+
+def _available(provider):
+    if provider in GPU_ONLY and DEVICE != "cuda":
+        return False
+    mod = NEEDS.get(provider)
+    if mod is None:
+        return True
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s[0]}-D{s[1]}-V{s[2]}")
+@pytest.mark.parametrize("mode", ["frozen", "dW"])
+@pytest.mark.parametrize("provider", list(PROVIDERS) + ["matmul floor"])
+def test_linear_cross_entropy(benchmark, provider, mode, shape):
+    n, d, v = shape
+    if provider != "matmul floor" and not _available(provider):
+        pytest.skip(f"{provider} is not installed or does not run on {DEVICE}")
+    h, w, y = make_inputs(n, d, v, mode)
+    k = 2 if mode == "frozen" else 3
+    benchmark.group = f"linear CE fwd+bwd, {mode} head, N={n} D={d} V={v} {str(DTYPE)[6:]} {DEVICE}"
+    benchmark.extra_info.update(provider=provider, reference=provider == "torch eager (reference)", flops=2 * k * n * d * v)
+    if provider == "matmul floor":
+        hd = h.detach()
+        wd = w.detach()
+
+        def floor():
+            for _ in range(k):
+                hd @ wd.T
+            if hd.is_cuda:
+                torch.cuda.synchronize()
+
+        benchmark.pedantic(floor, rounds=ROUNDS, warmup_rounds=1)
+        return
+    benchmark.extra_info["peak_extra_MiB"] = _peak_in_subprocess(provider, mode, n, d, v)
+    fn = PROVIDERS[provider]
+    benchmark.pedantic(lambda: step(fn, h, w, y), rounds=ROUNDS, warmup_rounds=1)
+
+
+def test_all_ignored_batch(benchmark):
+    """Which providers survive a batch whose targets are all ignore_index."""
+    n, d, v = 64, 32, 1000
+    benchmark.group = "all targets ignored (loss and gradients finite?)"
+    results = {}
+    for provider in PROVIDERS:
+        if not _available(provider):
+            continue
+        h, w, y = make_inputs(n, d, v, "dW")
+        y[:] = -100
+        try:
+            loss = PROVIDERS[provider](h, w, y)
+            loss.backward()
+            finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(h.grad).all()) and bool(torch.isfinite(w.grad).all())
+            results[provider] = "finite" if finite else f"NaN/inf (loss {loss.item()})"
+        except Exception as exc:  # a peer that raises is a result too
+            results[provider] = f"raises {type(exc).__name__}"
+    benchmark.extra_info.update(provider="(see per-provider results)", **results)
+    benchmark.pedantic(lambda: None, rounds=1)
+    assert results["ours"] == "finite"
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--peak":
+    _, _, prov, md, n_, d_, v_ = sys.argv
+    print(json.dumps({"peak_extra_mib": measure_peak_extra_mib(prov, md, int(n_), int(d_), int(v_))}))

@@ -464,3 +464,50 @@ def test_gpu_triton(dtype, flags, monkeypatch):
     same = run(oracle(torch.float32, dtype), dev(h), dev(w), dev(b), y.cuda(), **cfg)
     got = run(ours("triton"), dev(h), dev(w), dev(b), y.cuda(), **cfg)
     assert_close_to_truth(got, same, truth, dtype, f"gpu {dtype} {flags}")
+
+
+# --- the C++ tile kernels ------------------------------------------------------------------------
+
+
+def test_cpu_exp_and_tanh_accuracy():
+    # The fused CPU kernels use their own vectorizable exp and tanh; their error
+    # enters every loss and gradient, so it is pinned here: exp within 2 ulp
+    # (relative 1.2e-7) over [-87, 0] and [-1, 1], tanh within 2.5e-7 absolute.
+    x = torch.cat([torch.linspace(-87, 0, 1_000_001), torch.linspace(-1, 1, 100_001)])
+    got = torch.ops.resident_trainer.lce_row_exp_sum(x[:, None].contiguous(), torch.zeros(x.numel()))
+    rel = (got.double() - torch.exp(x.double())).abs() / torch.exp(x.double())
+    assert rel.max().item() < 1.2e-7
+    xt = torch.linspace(-30, 30, 600_001)
+    capped, _ = torch.ops.resident_trainer.lce_row_max_sum(xt[:, None].clone(), None, 1.0)
+    assert (capped.double() - torch.tanh(xt.double())).abs().max().item() < 2.5e-7
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nan_input_gives_nan_loss(impl, reduction, gen):
+    # A trainer aborts a job on a NaN loss; the kernels must not hide one.
+    h, w, b, y = make(12, 8, 70, torch.float32, gen, ignore_frac=0.0)
+    h[3, 2] = float("nan")
+    loss = linear_cross_entropy(h, w, y, reduction=reduction, impl=impl)
+    assert torch.isnan(loss).any()
+    if reduction == "none":
+        assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(12) != 3]).all()
+
+
+def test_missing_extension_error_says_how_to_build():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['resident_trainer._C'] = None\n"
+        "import torch, resident_trainer as rt\n"
+        "h = torch.randn(4, 3); w = torch.randn(9, 3); y = torch.tensor([1, 2, 3, 4])\n"
+        "print(float(rt.linear_cross_entropy(h, w, y, impl='reference')))\n"
+        "try:\n"
+        "    rt.linear_cross_entropy(h, w, y)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "linear_cross_entropy (impl='cpu') needs the compiled extension" in out
+    assert "pip install --no-build-isolation -e ." in out

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from resident_trainer import _ext
+
 IMPLS = ("auto", "cpu", "triton", "reference")
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -135,6 +137,7 @@ def _logit_tile_cpu(buf: Tensor, hb: Tensor, w: Tensor, bias: Tensor | None, v0:
 
 
 def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, need_a: bool, need_b: bool, need_sz: bool) -> Partials:
+    _ext.require_extension("linear_cross_entropy (impl='cpu')")
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
@@ -147,33 +150,24 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, nee
     # peak stays at a few tiles' worth however large V is.
     buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
     slope_buf = torch.empty_like(buf) if softcap and (need_a or need_b) else None
+    ops = torch.ops.resident_trainer
     for n0 in range(0, n, CPU_BLOCK_N):
         n1 = min(n, n0 + CPU_BLOCK_N)
         hb = h[n0:n1].float()
-        mb, sb = m[n0:n1], s[n0:n1]
         for v0 in range(0, v, CPU_TILE_V):
             v1 = min(v, v0 + CPU_TILE_V)
             wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
             z = _logit_tile_cpu(buf, hb, wt, None if bias is None else bias[v0:v1].float(), 0, v1 - v0)
-            slope = None
-            if softcap:
-                t = z.div_(softcap).tanh_()
-                if slope_buf is not None:
-                    slope = torch.mul(t, t, out=_tile(slope_buf, n1 - n0, v1 - v0)).neg_().add_(1.0)
-                z = t.mul_(softcap)
-            if need_sz:
-                sz[n0:n1] += z.sum(1)
-            m_new = torch.maximum(mb, z.amax(1))
-            alpha = torch.exp(mb - m_new)
-            p = z.sub_(m_new[:, None]).exp_()
-            sb.mul_(alpha).add_(p.sum(1))
+            slope = _tile(slope_buf, n1 - n0, v1 - v0) if slope_buf is not None else None
+            # softcap, running max / sum-exp, p = exp(z - m) (times softcap'
+            # for the dh accumulator) in one pass over the tile
+            alpha = ops.lce_online_update(
+                z, m[n0:n1], s[n0:n1], slope, None if sz is None else sz[n0:n1], float(softcap), bool(need_a and softcap)
+            )
             if need_a:
-                if slope is not None:
-                    p.mul_(slope)
-                a[n0:n1].mul_(alpha[:, None]).addmm_(p, wt)
+                a[n0:n1].mul_(alpha[:, None]).addmm_(z, wt)
             if need_b:
                 b[n0:n1].addmm_(slope, wt)
-            mb.copy_(m_new)
     return Partials(m, s, a, b, sz)
 
 
@@ -194,14 +188,16 @@ def _weight_grad_cpu(
     G[n, c] = softcap'(z) * (coef[n] p[n, c] - wtok[n] (target_w [c == y_n] + smooth)),
     p = exp(z - lse). Vocabulary tiles are the outer loop, so each dW tile is
     finished (accumulated in fp32 over all tokens) and stored once."""
+    _ext.require_extension("linear_cross_entropy (impl='cpu')")
     n, d = h.shape
     v = w.shape[0]
+    lse, coef, wtok = lse.float().contiguous(), coef.float().contiguous(), wtok.float().contiguous()
+    y_local = y_local.contiguous()
     h32 = h.float()
     f32 = dict(dtype=torch.float32, device=h.device)
     dw = torch.empty_like(w)
     db = torch.zeros(v, **f32) if need_bias else None
     buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
-    slope_buf = torch.empty_like(buf) if softcap else None
     for v0 in range(0, v, CPU_TILE_V):
         v1 = min(v, v0 + CPU_TILE_V)
         wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
@@ -210,21 +206,11 @@ def _weight_grad_cpu(
         for n0 in range(0, n, CPU_BLOCK_N):
             n1 = min(n, n0 + CPU_BLOCK_N)
             hb = h32[n0:n1]
-            z = _logit_tile_cpu(buf, hb, wt, None if bias is None else bias[v0:v1].float(), 0, v1 - v0)
-            slope = None
-            if softcap:
-                t = z.div_(softcap).tanh_()
-                slope = torch.mul(t, t, out=_tile(slope_buf, n1 - n0, v1 - v0)).neg_().add_(1.0)
-                z = t.mul_(softcap)
-            g = z.sub_(lse[n0:n1, None]).exp_().mul_(coef[n0:n1, None])
-            if smooth:
-                g.sub_(wtok[n0:n1, None] * smooth)
-            yl = y_local[n0:n1]
-            rows = ((yl >= v0) & (yl < v1)).nonzero().squeeze(1)
-            if rows.numel():
-                g[rows, yl[rows] - v0] -= wtok[n0:n1][rows] * target_w
-            if slope is not None:
-                g.mul_(slope)
+            g = _logit_tile_cpu(buf, hb, wt, None if bias is None else bias[v0:v1].float(), 0, v1 - v0)
+            # G in place over the logit tile, softcap and target included
+            torch.ops.resident_trainer.lce_grad_tile(
+                g, lse[n0:n1], coef[n0:n1], wtok[n0:n1], y_local[n0:n1], v0, float(target_w), float(smooth), float(softcap), None
+            )
             dwt.addmm_(g.T, hb)
             if need_bias:
                 db[v0:v1] += g.sum(0)
@@ -264,6 +250,7 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, v_largest
     the same for every token (reduction "mean" or "sum", lse not returned):
     backward scales dW by it. Each chunk's statistics are combined across
     vocabulary shards before its gradients are formed."""
+    _ext.require_extension("linear_cross_entropy (impl='cpu')")
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
@@ -284,17 +271,13 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, v_largest
         hc = h[n0:n1].float()
         z = z_buf[:c]
         _logits_into(z, hc, w, bias)
-        slope = None
-        if softcap:
-            z.div_(softcap).tanh_()
-            slope = torch.mul(z, z, out=slope_buf[:c]).neg_().add_(1.0)
-            z.mul_(softcap)
-        sz = z.sum(1) if (eps and softcap) else sz_all[n0:n1]
-        big_m = z.amax(1)
+        slope = slope_buf[:c] if slope_buf is not None else None
+        ops = torch.ops.resident_trainer
+        big_m, zsum = ops.lce_row_max_sum(z, slope, float(softcap))  # softcap applied in place
+        sz = zsum if (eps and softcap) else sz_all[n0:n1]
         if group is not None:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
-        p = z.sub_(big_m[:, None]).exp_()
-        stats = torch.stack([p.sum(1), zy[n0:n1], sz])
+        stats = torch.stack([ops.lce_row_exp_sum(z, big_m), zy[n0:n1], sz])
         if group is not None:
             dist.all_reduce(stats, group=group)
         s_tot, zy_c, sz = stats.unbind(0)
@@ -308,18 +291,10 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, v_largest
         vc = valid[n0:n1]
         loss[n0:n1] = torch.where(vc, loss_c, torch.zeros_like(loss_c))
         # G = valid * (softmax * (1 + 2 zl lse) - (1 - eps) onehot - eps / V) * softcap'
-        k = vc.float() / s_tot
-        if zl:
-            k = k * (1.0 + 2.0 * zl * lse_c)
-        g = p.mul_(k[:, None])
-        if eps:
-            g.sub_((vc.float() * (eps / vocab))[:, None])
-        ylc = yl[n0:n1]
-        rows = (ylc >= 0).nonzero().squeeze(1)
-        if rows.numel():
-            g[rows, ylc[rows]] -= 1.0 - eps
-        if slope is not None:
-            g.mul_(slope)
+        wtok = vc.float()
+        coef = wtok * (1.0 + 2.0 * zl * lse_c) if zl else wtok
+        g = z
+        ops.lce_grad_tile(g, lse_c, coef, wtok, yl[n0:n1].contiguous(), 0, 1.0 - eps, eps / vocab, 0.0, slope)
         if need_dh:
             if w32 is not None:
                 torch.mm(g, w32, out=dh[n0:n1])

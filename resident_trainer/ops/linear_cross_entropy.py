@@ -165,7 +165,12 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, nee
                 z, m[n0:n1], s[n0:n1], slope, None if sz is None else sz[n0:n1], float(softcap), bool(need_a and softcap)
             )
             if need_a:
-                a[n0:n1].mul_(alpha[:, None]).addmm_(z, wt)
+                ab = a[n0:n1]
+                # The running max settles after the first tiles: most tiles
+                # leave every row's scale at 1 and need no rescale pass.
+                if not bool((alpha == 1.0).all()):
+                    ab.mul_(alpha[:, None])
+                ab.addmm_(z, wt)
             if need_b:
                 b[n0:n1].addmm_(slope, wt)
     return Partials(m, s, a, b, sz)

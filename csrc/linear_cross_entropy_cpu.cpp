@@ -55,8 +55,9 @@ static inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x
 #define RT_ROW_KERNEL
 #endif
 
-RT_ROW_KERNEL void online_rows(float* zp, float* slp, float* mp, float* sp, float* szp, float* ap, int64_t r0,
-                               int64_t r1, int64_t cols, float cap, bool apply_slope) {
+RT_ROW_KERNEL void online_rows(float* zp, float* slp, float* mp, float* sp, float* szp, float* ap, float* accp,
+                               int64_t acc_cols, const int64_t* yp, float* zyp, int64_t v0, int64_t r0, int64_t r1,
+                               int64_t cols, float cap, bool apply_slope) {
   const float inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
   for (int64_t r = r0; r < r1; ++r) {
     float* zr = zp + r * cols;
@@ -82,10 +83,19 @@ RT_ROW_KERNEL void online_rows(float* zp, float* slp, float* mp, float* sp, floa
       tot += zr[c];
     }
     if (szp) szp[r] += tot;
+    if (yp) {  // the target's (capped) logit, if this tile holds it
+      const int64_t yc = yp[r] - v0;
+      if (yp[r] >= 0 && yc >= 0 && yc < cols) zyp[r] = zr[yc];
+    }
     // A NaN anywhere in the row must reach the loss: max() skips it, the
     // exp below does not, and the sum carries it.
     const float m_new = std::max(mp[r], mx);
     const float a = fast_exp(mp[r] - m_new);
+    if (accp && a != 1.0f) {  // rescale the row's accumulator only when its max moved
+      float* acc = accp + r * acc_cols;
+#pragma omp simd
+      for (int64_t c = 0; c < acc_cols; ++c) acc[c] *= a;
+    }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t c = 0; c < cols; ++c) {
@@ -197,12 +207,16 @@ void check_rows(const at::Tensor& t, int64_t rows, const char* op, const char* n
 // Online-softmax update of one tile, in place. Per row r:
 //   softcap > 0: z = softcap * tanh(z / softcap), slope = 1 - tanh^2 (if given)
 //   sz[r] += sum(z)                                   (if sz given)
+//   zy[r] = z[y[r] - v0] if the tile holds the target (if y_local given)
 //   m' = max(m[r], max(z)); alpha[r] = exp(m[r] - m'); z = exp(z - m')
+//   acc[r, :] *= alpha[r] where alpha[r] != 1        (if acc given)
 //   s[r] = s[r] * alpha[r] + sum(z); m[r] = m'
 //   apply_slope: z *= slope  (the softcap chain rule, for the dh accumulator)
 // Returns alpha, the factor by which the row's running accumulators rescale.
 at::Tensor lce_online_update(at::Tensor z, at::Tensor m, at::Tensor s, std::optional<at::Tensor> slope,
-                             std::optional<at::Tensor> sz, double softcap, bool apply_slope) {
+                             std::optional<at::Tensor> sz, std::optional<at::Tensor> acc,
+                             std::optional<at::Tensor> y_local, std::optional<at::Tensor> zy, int64_t v0,
+                             double softcap, bool apply_slope) {
   const char* op = "lce_online_update";
   check_tile(z, op);
   const int64_t rows = z.size(0), cols = z.size(1);
@@ -211,6 +225,15 @@ at::Tensor lce_online_update(at::Tensor z, at::Tensor m, at::Tensor s, std::opti
   if (sz) check_rows(*sz, rows, op, "sz");
   if (slope) TORCH_CHECK(slope->sizes() == z.sizes() && slope->is_contiguous(), op, ": slope must match the tile");
   TORCH_CHECK(!apply_slope || slope, op, ": apply_slope needs slope");
+  if (acc)
+    TORCH_CHECK(acc->scalar_type() == at::kFloat && acc->dim() == 2 && acc->size(0) == rows && acc->is_contiguous(),
+                op, ": acc must be a contiguous float32 (rows, D) tensor");
+  TORCH_CHECK(y_local.has_value() == zy.has_value(), op, ": y_local and zy go together");
+  if (y_local) {
+    TORCH_CHECK(y_local->scalar_type() == at::kLong && y_local->numel() == rows && y_local->is_contiguous(), op,
+                ": y_local must be a contiguous int64 vector of ", rows, " rows");
+    check_rows(*zy, rows, op, "zy");
+  }
   at::Tensor alpha = at::empty({rows}, z.options());
   float* zp = z.data_ptr<float>();
   float* mp = m.data_ptr<float>();
@@ -218,8 +241,12 @@ at::Tensor lce_online_update(at::Tensor z, at::Tensor m, at::Tensor s, std::opti
   float* ap = alpha.data_ptr<float>();
   float* slp = slope ? slope->data_ptr<float>() : nullptr;
   float* szp = sz ? sz->data_ptr<float>() : nullptr;
+  float* accp = acc ? acc->data_ptr<float>() : nullptr;
+  const int64_t acc_cols = acc ? acc->size(1) : 0;
+  const int64_t* yp = y_local ? y_local->const_data_ptr<int64_t>() : nullptr;
+  float* zyp = zy ? zy->data_ptr<float>() : nullptr;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    online_rows(zp, slp, mp, sp, szp, ap, r0, r1, cols, (float)softcap, apply_slope);
+    online_rows(zp, slp, mp, sp, szp, ap, accp, acc_cols, yp, zyp, v0, r0, r1, cols, (float)softcap, apply_slope);
   });
   return alpha;
 }
@@ -291,7 +318,7 @@ void lce_grad_tile(at::Tensor z, const at::Tensor& lse, const at::Tensor& coef, 
 
 TORCH_LIBRARY_FRAGMENT(resident_trainer, m) {
   m.def("lce_online_update(Tensor(a!) z, Tensor(b!) m, Tensor(c!) s, Tensor(d!)? slope, Tensor(e!)? sz, "
-        "float softcap, bool apply_slope) -> Tensor");
+        "Tensor(f!)? acc, Tensor? y_local, Tensor(g!)? zy, int v0, float softcap, bool apply_slope) -> Tensor");
   m.def("lce_row_exp_sum(Tensor z, Tensor m) -> Tensor");
   m.def("lce_row_max_sum(Tensor(a!) z, Tensor(b!)? slope, float softcap) -> (Tensor, Tensor)");
   m.def("lce_grad_tile(Tensor(a!) z, Tensor lse, Tensor coef, Tensor wtok, Tensor y_local, int v0, "

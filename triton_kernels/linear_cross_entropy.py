@@ -65,7 +65,7 @@ def _logit_tile(
 
 @triton.jit
 def _lce_partials_kernel(
-    h_ptr, w_ptr, b_ptr, m_ptr, s_ptr, sz_ptr, a_ptr, bb_ptr,
+    h_ptr, w_ptr, b_ptr, yl_ptr, m_ptr, s_ptr, zy_ptr, sz_ptr, a_ptr, bb_ptr,
     stride_hn, stride_hd, stride_wv, stride_wd,
     N, V, D,
     softcap,
@@ -79,6 +79,8 @@ def _lce_partials_kernel(
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    yl = tl.load(yl_ptr + rows, mask=row_mask, other=-1)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < V
@@ -86,6 +88,8 @@ def _lce_partials_kernel(
                            stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, INTERPRET)
         if NEED_SZ:
             sz += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
+        # the target's logit, from the same tile the softmax sees
+        zy += tl.sum(tl.where(cols[None, :] == yl[:, None], z, 0.0), axis=1)
         z = tl.where(col_mask[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
@@ -114,6 +118,7 @@ def _lce_partials_kernel(
                     tl.store(b_ptrs, accb, mask=amask)
     tl.store(m_ptr + rows, m, mask=row_mask)
     tl.store(s_ptr + rows, s, mask=row_mask)
+    tl.store(zy_ptr + rows, zy, mask=row_mask)
     if NEED_SZ:
         tl.store(sz_ptr + rows, sz, mask=row_mask)
 
@@ -176,29 +181,32 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def lce_partials_triton(h, w, bias, softcap, need_a, need_b, need_sz, blocks=None):
-    """(m, s, a, b, sz) for h: (N, D), w: (V, D) (any strides), bias: (V,) or None.
-    m, s, sz: (N,) fp32; a, b: (N, D) fp32 or None."""
+def lce_partials_triton(h, w, bias, y_local, softcap, need_a, need_b, need_sz, blocks=None):
+    """(m, s, zy, a, b, sz) for h: (N, D), w: (V, D) (any strides), bias: (V,) or
+    None, y_local: (N,) int64 row of W holding each target or -1.
+    m, s, zy, sz: (N,) fp32; a, b: (N, D) fp32 or None."""
     bl = {**BLOCKS, **(blocks or {})}
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
     m = torch.empty(n, **f32)
     s = torch.empty(n, **f32)
+    zy = torch.empty(n, **f32)
     sz = torch.zeros(n, **f32) if need_sz else None
     a = torch.zeros(n, d, **f32) if need_a else None
     b = torch.zeros(n, d, **f32) if need_b else None
     dummy = m
     grid = (triton.cdiv(n, bl["BLOCK_N"]),)
     _lce_partials_kernel[grid](
-        h, w, bias if bias is not None else dummy, m, s, sz if need_sz else dummy, a if need_a else dummy, b if need_b else dummy,
+        h, w, bias if bias is not None else dummy, y_local.contiguous(), m, s, zy, sz if need_sz else dummy,
+        a if need_a else dummy, b if need_b else dummy,
         h.stride(0), h.stride(1), w.stride(0), w.stride(1),
         n, v, d,
         float(softcap or 0.0),
         HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), NEED_A=need_a, NEED_B=need_b, NEED_SZ=need_sz,
         DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpreted(), num_warps=8 if h.is_cuda else 1, **bl,
     )
-    return m, s, a, b, sz
+    return m, s, zy, a, b, sz
 
 
 def lce_weight_grad_triton(h, w, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, blocks=None):

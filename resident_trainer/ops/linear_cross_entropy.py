@@ -110,6 +110,7 @@ class Partials:
 
     m: Tensor
     s: Tensor
+    zy: Tensor
     a: Tensor | None = None
     b: Tensor | None = None
     sz: Tensor | None = None
@@ -136,7 +137,7 @@ def _logit_tile_cpu(buf: Tensor, hb: Tensor, w: Tensor, bias: Tensor | None, v0:
     return z
 
 
-def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, need_a: bool, need_b: bool, need_sz: bool) -> Partials:
+def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap: float, need_a: bool, need_b: bool, need_sz: bool) -> Partials:
     _ext.require_extension("linear_cross_entropy (impl='cpu')")
     n, d = h.shape
     v = w.shape[0]
@@ -146,6 +147,8 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, nee
     a = torch.zeros(n, d, **f32) if need_a else None
     b = torch.zeros(n, d, **f32) if need_b else None
     sz = torch.zeros(n, **f32) if need_sz else None
+    zy = torch.zeros(n, **f32)
+    yl = yl.contiguous()
     # One logit tile (and one softcap slope tile) reused for every tile: the
     # peak stays at a few tiles' worth however large V is.
     buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
@@ -161,19 +164,17 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, softcap: float, nee
             slope = _tile(slope_buf, n1 - n0, v1 - v0) if slope_buf is not None else None
             # softcap, running max / sum-exp, p = exp(z - m) (times softcap'
             # for the dh accumulator) in one pass over the tile
-            alpha = ops.lce_online_update(
-                z, m[n0:n1], s[n0:n1], slope, None if sz is None else sz[n0:n1], float(softcap), bool(need_a and softcap)
+            # (the kernel also rescales the rows of A whose max moved, and
+            # picks up each target's logit when this tile holds it)
+            ops.lce_online_update(
+                z, m[n0:n1], s[n0:n1], slope, None if sz is None else sz[n0:n1], None if a is None else a[n0:n1],
+                yl[n0:n1], zy[n0:n1], v0, float(softcap), bool(need_a and softcap),
             )
             if need_a:
-                ab = a[n0:n1]
-                # The running max settles after the first tiles: most tiles
-                # leave every row's scale at 1 and need no rescale pass.
-                if not bool((alpha == 1.0).all()):
-                    ab.mul_(alpha[:, None])
-                ab.addmm_(z, wt)
+                a[n0:n1].addmm_(z, wt)
             if need_b:
                 b[n0:n1].addmm_(slope, wt)
-    return Partials(m, s, a, b, sz)
+    return Partials(m, s, zy, a, b, sz)
 
 
 def _weight_grad_cpu(
@@ -248,7 +249,7 @@ def _logits_into(z: Tensor, h32: Tensor, w: Tensor, bias: Tensor | None) -> None
             zt.add_(bias[v0:v1].float())
 
 
-def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bias):
+def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bias):
     """Loss, lse, dh and the unit-weight dW/dbias in one pass over token chunks,
     each chunk's full logit row kept in a bounded buffer: 2NDV for the logits,
     2NDV for dh, 2NDV for dW, no recompute. Valid when the upstream gradient is
@@ -282,7 +283,9 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, zy, sz_all, vocab, v_largest
         sz = zsum if (eps and softcap) else sz_all[n0:n1]
         if group is not None:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
-        stats = torch.stack([ops.lce_row_exp_sum(z, big_m), zy[n0:n1], sz])
+        ylc = yl[n0:n1]
+        zy_mine = torch.where(ylc >= 0, z.gather(1, ylc.clamp(min=0)[:, None])[:, 0], torch.zeros(c, **f32))
+        stats = torch.stack([ops.lce_row_exp_sum(z, big_m), zy_mine, sz])
         if group is not None:
             dist.all_reduce(stats, group=group)
         s_tot, zy_c, sz = stats.unbind(0)
@@ -336,15 +339,15 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def _partials(h, w, bias, softcap, need_a, need_b, need_sz, impl) -> Partials:
+def _partials(h, w, bias, yl, softcap, need_a, need_b, need_sz, impl) -> Partials:
     if impl == "triton":
         from resident_trainer import _ext
 
         _ext.require_triton("linear_cross_entropy (impl='triton')")
         from resident_trainer.triton_kernels.linear_cross_entropy import lce_partials_triton
 
-        return Partials(*lce_partials_triton(h, w, bias, softcap, need_a, need_b, need_sz))
-    return _partials_cpu(h, w, bias, softcap, need_a, need_b, need_sz)
+        return Partials(*lce_partials_triton(h, w, bias, yl, softcap, need_a, need_b, need_sz))
+    return _partials_cpu(h, w, bias, yl, softcap, need_a, need_b, need_sz)
 
 
 def _weight_grad(h, w, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl):
@@ -414,20 +417,7 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         db = torch.zeros(v_local, **f32) if need_bgrad else empty()
         return torch.zeros(0, **f32), torch.zeros(0, **f32), torch.zeros(0, d, **f32) if need_dh else empty(), empty(), vtot, dw, db
 
-    # Target logit by an indexed dot (one row of W per token), not from the tiles.
     mine = yl >= 0
-    ys = yl.clamp(min=0)
-    zy = torch.empty(n, **f32)
-    for n0 in range(0, n, _GATHER_ROWS):  # bounded (rows, D) temporaries
-        n1 = min(n, n0 + _GATHER_ROWS)
-        zy[n0:n1] = (h[n0:n1].float() * w[ys[n0:n1]].float()).sum(1)
-    if bias is not None:
-        zy = zy + bias[ys].float()
-    ty = None
-    if softcap:
-        ty = torch.tanh(zy / softcap)
-        zy = softcap * ty
-    zy = torch.where(mine, zy, torch.zeros_like(zy))
     smooth_per_tile = bool(softcap and eps)
     colsum = None
     if eps and not smooth_per_tile:
@@ -440,11 +430,12 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         sz = torch.zeros(n, **f32)
     if weights_in_forward:
         loss, lse, dh, dw, db = _forward_weight_grad_cpu(
-            h, w, bias, valid, yl, zy, sz, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bgrad
+            h, w, bias, valid, yl, sz, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bgrad
         )
         return loss, lse, dh, empty(), vtot, dw, db
 
-    parts = _partials(h, w, bias, softcap, need_dh, need_dh and smooth_per_tile, smooth_per_tile, impl)
+    parts = _partials(h, w, bias, yl, softcap, need_dh, need_dh and smooth_per_tile, smooth_per_tile, impl)
+    zy = parts.zy
     if parts.sz is not None:
         sz = parts.sz
     m = parts.m
@@ -473,8 +464,8 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         for r0 in range(0, all_rows.numel(), _GATHER_ROWS):
             rows = all_rows[r0 : r0 + _GATHER_ROWS]
             ky = torch.full((rows.numel(),), -(1.0 - eps), **f32)
-            if softcap:
-                ky = ky * (1.0 - ty[rows].square())
+            if softcap:  # the target's softcap slope, 1 - tanh^2, from its capped logit
+                ky = ky * (1.0 - (zy[rows] / softcap).square())
             dh.index_put_((rows,), w[yl[rows]].float().mul_(ky[:, None]), accumulate=True)
         if eps:
             dh.sub_((eps / vocab) * (parts.b if parts.b is not None else colsum[None, :]))

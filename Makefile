@@ -36,7 +36,11 @@ test: build
 demo: build
 	$(PY) -m resident_trainer.cli demo
 
-bench: build
+$(VENV)/.bench: $(VENV)/.deps requirements-bench.txt
+	$(PIP) install --no-deps -r requirements-bench.txt
+	touch $@
+
+bench: build $(VENV)/.bench
 	$(PY) -m pytest bench -q --benchmark-columns=median,iqr,rounds --benchmark-sort=name -s
 
 clean:

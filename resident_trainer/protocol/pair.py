@@ -1,0 +1,469 @@
+"""A minimal serving group on one machine: the protocol live, in real processes.
+
+Rank 0 hosts the rendezvous TCPStore on a socket it binds itself
+(RESIDENT_TRAINER_HOST, loopback unless set; port 0 picks a free one, which
+it publishes in ``<state dir>/g<generation>.port``). All ranks join a gloo
+process group on that store; trainer steps all-reduce their gradients over a
+separate gloo group whose timeout is the exchange timeout. The serving op
+sequence travels over the store (`StoreServingLink`), the trainer channel over
+its own keys, and a client talks to the head through ``ctl/`` keys:
+
+    ctl/chat/<i>   {"tokens": k}                   a chat (ids from counter ctr/ctl/chats)
+    ctl/reply/<i>  {"msg", "version", "generation"} its reply
+    ctl/job/<j>    a JobSpec, authority included   (ids from counter ctr/ctl/jobs)
+
+The head answers chats itself and workers mirror each serving op: the stand
+in for a tensor-parallel forward, enough to host the protocol. The job body
+(`PairBody`) trains a small added matrix on a tiny frozen model and proves
+the model unchanged with ``resident_trainer.fingerprint_tensors``.
+
+Run a rank: ``python -m resident_trainer.protocol.pair --rank R --world W
+--generation G --token T [--port P]``; `ProcessGroupControl` does this for
+recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import hashlib
+import json
+import os
+import posixpath
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, system_sampler
+from resident_trainer.protocol.channel import TrainerChannel
+from resident_trainer.protocol.checkpoint import CheckpointStore
+from resident_trainer.protocol.clock import MonotonicClock
+from resident_trainer.protocol.config import ProtocolConfig
+from resident_trainer.protocol.errors import PeerLost, StoreError
+from resident_trainer.protocol.frozen import FrozenFingerprint
+from resident_trainer.protocol.fs import LocalFileSystem
+from resident_trainer.protocol.job import JobKind, JobSpec, RankContext, Wake
+from resident_trainer.protocol.records import RecordLog
+from resident_trainer.protocol.recovery import GroupState, admits
+from resident_trainer.protocol.server import HeadServer, WorkerServer
+from resident_trainer.protocol.serving import Chat, ServingOp, StoreServingLink
+from resident_trainer.protocol.store import KVStore, TorchKVStore
+
+EXIT_REFUSED = 3  # the group state names another generation or token
+EXIT_LOST = 4  # the group was lost (store or link silent past the group timeout)
+
+DIM = 16
+DEPTH = 6
+
+
+class TinyModel(torch.nn.Module):
+    """A frozen stack of DEPTH linear+tanh layers (deterministic weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(20251129)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM) for _ in range(DEPTH))
+        with torch.no_grad():
+            for lin in self.layers:
+                lin.weight.copy_(torch.randn(DIM, DIM, generator=g) / DIM**0.5)
+                lin.bias.copy_(torch.randn(DIM, generator=g) * 0.1)
+        self.requires_grad_(False)
+
+    def hidden(self, x: torch.Tensor, upto: int) -> torch.Tensor:
+        for lin in self.layers[:upto]:
+            x = torch.tanh(lin(x))
+        return x
+
+
+@dataclass
+class PairState:
+    """What serving uses: the published added block and its version."""
+
+    block: torch.Tensor
+    version: str
+
+
+def block_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().numpy().tobytes()
+
+
+def block_version(t: torch.Tensor) -> str:
+    return hashlib.sha256(block_bytes(t)).hexdigest()[:16]
+
+
+class PairBody:
+    """A job that trains the added matrix `block` at layer `layer`: the
+    hidden state h gets ``h @ block.T`` added, fitted to a fixed target by
+    SGD whose gradient is all-reduced over the trainer group."""
+
+    def __init__(self, model: TinyModel, state: PairState, spec: JobSpec, group, *, rank: int, world: int,
+                 layer: int, watch_layer: int) -> None:
+        self.model = model
+        self.state = state
+        self.spec = spec
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.layer = layer
+        self.fp = FrozenFingerprint(model, model.layers[watch_layer])
+        self.trained: torch.Tensor | None = state.block.clone()
+
+    def fingerprint(self) -> dict[str, str]:
+        return self.fp()
+
+    def step(self, index: int) -> dict[str, float]:
+        import torch.distributed as dist
+
+        seed = int(hashlib.sha256(f"{self.spec.name}/{index}/{self.rank}".encode()).hexdigest()[:8], 16)
+        x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            h = self.model.hidden(x, self.layer)
+        w = self.trained.clone().requires_grad_(True)
+        loss = ((h + h @ w.T - 0.5 * x) ** 2).mean()
+        loss.backward()
+        grad = w.grad.detach()
+        try:
+            dist.all_reduce(grad, group=self.group)
+        except RuntimeError as exc:
+            # gloo raises RuntimeError for a closed peer and for its timeout.
+            raise PeerLost(f"trainer all-reduce failed: {str(exc).splitlines()[0][:200]}") from exc
+        self.trained = (w - 0.1 * grad / self.world).detach()
+        return {"loss": float(loss.detach())}
+
+    def checkpoint(self) -> bytes:
+        return block_bytes(self.trained)
+
+    def publish(self) -> None:
+        self.state.block = self.trained
+        self.state.version = block_version(self.trained)
+
+    def discard(self) -> None:
+        self.trained = None
+
+
+class StoreChats:
+    """Chats from ``ctl/chat/<i>``, replies to ``ctl/reply/<i>`` (head side)."""
+
+    def __init__(self, kv: KVStore, state: PairState, clock: MonotonicClock, generation: int) -> None:
+        self.kv = kv
+        self.state = state
+        self.clock = clock
+        self.generation = generation
+        self.next = 0
+
+    def take(self) -> list[Chat]:
+        out = []
+        while True:
+            raw = self.kv.get(f"ctl/chat/{self.next}")
+            if raw is None:
+                return out
+            d = json.loads(raw)
+            out.append(Chat(self.next, max(1, int(d.get("tokens", 1))), self.clock.now()))
+            self.kv.delete(f"ctl/chat/{self.next}")
+            self.next += 1
+
+    def finished(self, chat: Chat, msg: int) -> None:
+        reply = {"msg": msg, "version": self.state.version, "generation": self.generation}
+        self.kv.set(f"ctl/reply/{chat.id}", json.dumps(reply).encode())
+
+
+class MirrorBackend:
+    """Serving ops as the pair executes them: the head computes replies (in
+    StoreChats), every rank counts the ops it ran."""
+
+    def __init__(self) -> None:
+        self.executed = 0
+
+    def execute(self, op: ServingOp) -> None:
+        self.executed += 1
+
+
+class PairClient:
+    """Talks to a running pair's head through the ``ctl/`` keys."""
+
+    def __init__(self, host: str, port: int, *, timeout: float = 10.0) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(host, port, 1, False, timeout=datetime.timedelta(seconds=timeout))
+        self.kv = TorchKVStore(self.store)
+
+    def chat(self, tokens: int = 1) -> int:
+        i = self.kv.add("ctr/ctl/chats", 1) - 1
+        self.kv.set(f"ctl/chat/{i}", json.dumps({"tokens": tokens}).encode())
+        return i
+
+    def reply(self, chat: int, timeout: float) -> dict[str, Any]:
+        key = f"ctl/reply/{chat}"
+        if not self.kv.wait([key], timeout):
+            raise TimeoutError(f"no reply to chat {chat} within {timeout}s")
+        return json.loads(self.kv.get(key))
+
+    def submit(self, spec: JobSpec) -> None:
+        j = self.kv.add("ctr/ctl/jobs", 1) - 1
+        body = {**spec.public(), "authority": spec.authority}
+        self.kv.set(f"ctl/job/{j}", json.dumps(body).encode())
+
+
+class _JobIntake:
+    def __init__(self, kv: KVStore, head: HeadServer) -> None:
+        self.kv = kv
+        self.head = head
+        self.next = 0
+
+    def poll(self) -> None:
+        while True:
+            raw = self.kv.get(f"ctl/job/{self.next}")
+            if raw is None:
+                return
+            d = json.loads(raw)
+            self.kv.delete(f"ctl/job/{self.next}")
+            self.next += 1
+            try:
+                spec = JobSpec(d["name"], JobKind(d["kind"]), int(d["steps"]) or 1, d["root"], d.get("authority", ""),
+                               tuple(d.get("modules", ())))
+            except (ValueError, TypeError, KeyError) as exc:
+                print(f"resident-trainer pair: ignoring malformed job {d!r}: {exc}", file=sys.stderr, flush=True)
+                continue
+            self.head.submit(spec)
+
+
+def drive(server: HeadServer | WorkerServer, kv: TorchKVStore, clock: MonotonicClock, stop: threading.Event,
+          poll: float, before_tick: Callable[[], None] | None = None,
+          idle_keys: Callable[[], tuple[str, ...]] | None = None) -> None:
+    """Run a serving loop until `stop` or until its group is lost: tick,
+    then block for at most `poll` on the keys the tick named (or, when it
+    named none, on `idle_keys()`: the head's next chat), or on `stop`."""
+    while not stop.is_set() and server.lost is None:
+        if before_tick is not None:
+            try:
+                before_tick()
+            except StoreError:
+                pass
+        wake: Wake = server.tick()
+        if server.lost is not None:
+            return
+        timeout = poll if wake.at is None else min(poll, wake.at - clock.now())
+        if timeout <= 0:
+            continue
+        keys = wake.keys or (idle_keys() if idle_keys is not None else ())
+        if keys:
+            try:
+                kv.wait(keys, timeout)
+                continue
+            except StoreError:
+                pass
+        stop.wait(timeout)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits, so a
+    crashed supervisor (or test run) leaves no rank behind."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def port_path(state_dir: str, generation: int) -> str:
+    return posixpath.join(state_dir, f"g{generation}.port")
+
+
+def _make_store(cfg: ProtocolConfig, rank: int, world: int, port: int, generation: int, fs: LocalFileSystem):
+    import socket
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=cfg.timeouts.group)
+    if rank != 0:
+        return dist.TCPStore(cfg.host, port, world, False, timeout=timeout), None
+    # Bind the listening socket here: TCPStore would listen on every
+    # interface, and a port chosen by the kernel cannot race with anyone.
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, port))
+    sock.listen(128)
+    store = dist.TCPStore(cfg.host, sock.getsockname()[1], world, True, timeout=timeout, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    fs.write_atomic(port_path(cfg.state_dir, generation), str(sock.getsockname()[1]).encode())
+    # The caller keeps the socket object: its fd must stay open as long as the store.
+    return store, sock
+
+
+def rank_main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m resident_trainer.protocol.pair")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--generation", type=int, required=True)
+    p.add_argument("--token", type=int, required=True)
+    p.add_argument("--port", type=int, default=None,
+                   help="the store's port (default RESIDENT_TRAINER_MASTER_PORT; 0 on rank 0: any free port)")
+    a = p.parse_args(argv)
+    _die_with_parent()
+    cfg = ProtocolConfig.from_env().with_depth(DEPTH)
+    if a.port is None:
+        a.port = cfg.master_port
+    fs = LocalFileSystem()
+    if not admits(fs, cfg.state_dir, a.generation, a.token):
+        print(f"rank {a.rank}: generation {a.generation} token {a.token} is not current; refusing to run",
+              file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    torch.set_num_threads(1)
+    if cfg.host in ("127.0.0.1", "localhost", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+
+    store, listen_socket = _make_store(cfg, a.rank, a.world, a.port, a.generation, fs)
+    t = cfg.timeouts
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=a.rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=t.group))
+    trainer_group = dist.new_group(list(range(a.world)), timeout=datetime.timedelta(seconds=t.exchange))
+    kv = TorchKVStore(store)
+    clock = MonotonicClock()
+    group = f"g{a.generation}"
+    ckpts = CheckpointStore(fs, cfg.checkpoints_dir)
+    model = TinyModel()
+    block = torch.zeros(DIM, DIM)
+    loaded = ckpts.load(a.rank)
+    if loaded is not None:
+        block = torch.frombuffer(bytearray(loaded[1]), dtype=torch.float32).reshape(DIM, DIM).clone()
+    state = PairState(block, block_version(block))
+    log = RecordLog(fs, cfg.receipts_dir, rank=a.rank, group=group, clock=clock)
+    monitor = BudgetMonitor(MemoryBudget(cfg.memory_floor, cfg.workspace_ceiling),
+                            system_sampler(lambda: DIM * DIM * 4 * 3))
+    ctx = RankContext(rank=a.rank, world=a.world, group=group, channel=TrainerChannel(kv, group=group, world=a.world),
+                      clock=clock, fs=fs, log=log, config=cfg, budget=monitor, checkpoints=ckpts)
+
+    def factory(spec: JobSpec, ctx: RankContext) -> PairBody:
+        return PairBody(model, state, spec, trainer_group, rank=a.rank, world=a.world, layer=cfg.layer,
+                        watch_layer=cfg.watch_layer)
+
+    link = StoreServingLink(kv, group=group, rank=a.rank, world=a.world)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    monitor.start(0.02)
+    log.phase(None, "rank_started", generation=a.generation, token=a.token, pid=os.getpid(), version=state.version)
+    if a.rank == 0:
+        chats = StoreChats(kv, state, clock, a.generation)
+        head = HeadServer(ctx, link=link, backend=MirrorBackend(), chats=chats, body_factory=factory)
+        intake = _JobIntake(kv, head)
+        drive(head, kv, clock, stop, t.poll, intake.poll, lambda: (f"ctl/chat/{chats.next}",))
+        server: HeadServer | WorkerServer = head
+    else:
+        server = WorkerServer(ctx, link=link, backend=MirrorBackend(), body_factory=factory)
+        drive(server, kv, clock, stop, t.poll)
+    monitor.stop()
+    if server.lost is not None:
+        print(server.lost, file=sys.stderr, flush=True)
+        return EXIT_LOST
+    return 0
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not reaped, is not alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class ProcessGroupControl:
+    """`GroupControl` for recovery: launches, probes and stops the ranks of
+    a pair as child processes of this one.
+
+    env: the environment of the ranks (the RESIDENT_TRAINER_* settings);
+    port: the store's port for every generation (0: a free one each time;
+    None: RESIDENT_TRAINER_MASTER_PORT)."""
+
+    def __init__(self, *, world: int = 2, env: Mapping[str, str] | None = None, port: int | None = 0,
+                 start_timeout: float = 60.0, stop_grace: float = 2.0) -> None:
+        if world < 2:
+            raise ValueError(f"world must be at least 2, got {world}")
+        self.world = world
+        self.env = dict(os.environ if env is None else env)
+        # The serving loop blocks in TCPStore.wait with short timeouts, and
+        # c10d logs a warning for every one that expires.
+        self.env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        self.cfg = ProtocolConfig.from_env(self.env)
+        self.port = self.cfg.master_port if port is None else port
+        self.start_timeout = start_timeout
+        self.stop_grace = stop_grace
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def _spawn(self, rank: int, generation: int, token: int, port: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "resident_trainer.protocol.pair", "--rank", str(rank), "--world", str(self.world),
+               "--generation", str(generation), "--token", str(token), "--port", str(port)]
+        proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL)
+        self.procs[proc.pid] = proc
+        return proc
+
+    def alive(self, pid: int) -> bool:
+        proc = self.procs.get(pid)
+        if proc is not None:
+            return proc.poll() is None
+        return pid_alive(pid)
+
+    def healthy(self, state: GroupState) -> bool:
+        return len(state.pids) == self.world and all(self.alive(pid) for pid in state.pids)
+
+    def start(self, generation: int, token: int) -> tuple[int, tuple[int, ...]]:
+        fs = LocalFileSystem()
+        path = port_path(self.cfg.state_dir, generation)
+        fs.remove(path)
+        head = self._spawn(0, generation, token, self.port)
+        deadline = time.monotonic() + self.start_timeout
+        waiter = threading.Event()
+        while (raw := fs.read_bytes(path)) is None:
+            if head.poll() is not None:
+                raise RuntimeError(f"rank 0 of generation {generation} exited with {head.returncode} before listening")
+            if time.monotonic() > deadline:
+                self._kill([head.pid])
+                raise TimeoutError(f"rank 0 of generation {generation} did not listen within {self.start_timeout}s")
+            waiter.wait(0.01)
+        port = int(raw)
+        pids = [head.pid] + [self._spawn(r, generation, token, port).pid for r in range(1, self.world)]
+        return port, tuple(pids)
+
+    def _kill(self, pids: Sequence[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            proc = self.procs.pop(pid, None)
+            if proc is not None:
+                proc.wait()
+
+    def stop(self, state: GroupState) -> None:
+        pids = [pid for pid in state.pids if self.alive(pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace
+        for pid in pids:
+            proc = self.procs.get(pid)
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+        self._kill([pid for pid in pids if self.alive(pid)] + [pid for pid in pids if pid in self.procs])
+
+    def close(self) -> None:
+        """Kill every process this control started (idempotent)."""
+        self._kill(list(self.procs))
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())

@@ -333,7 +333,7 @@ def _sharded_worker(rank, world, store_path, shards, shape, dtype, results):
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
     try:
         shard, offset = shards[rank]

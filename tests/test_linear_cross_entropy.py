@@ -391,7 +391,7 @@ def _tp_worker(rank, world, store_path, sizes):
 
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
     try:
         lce.CPU_TILE_V, lce.CPU_BLOCK_N, lce.CPU_CHUNK_BYTES = 32, 8, 4 * 64 * 8

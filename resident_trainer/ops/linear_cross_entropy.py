@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from resident_trainer import _ext
+from resident_trainer.ops._gemm import linear
 
 IMPLS = ("auto", "cpu", "triton", "reference")
 REDUCTIONS = ("mean", "sum", "none")
@@ -129,11 +130,11 @@ def _tile(buf: Tensor, rows: int, cols: int) -> Tensor:
     return buf[: rows * cols].view(rows, cols)
 
 
-def _logit_tile_cpu(buf: Tensor, hb: Tensor, w: Tensor, bias: Tensor | None, v0: int, v1: int) -> Tensor:
-    z = _tile(buf, hb.shape[0], v1 - v0)
-    torch.mm(hb, w[v0:v1].T if w.dtype == torch.float32 else w[v0:v1].float().T, out=z)
+def _logit_tile_cpu(hb: Tensor, wt: Tensor, bias: Tensor | None) -> Tensor:
+    """hb @ wt.T (+ bias) in fp32, a new contiguous (rows, cols) tile."""
+    z = linear(hb, wt)
     if bias is not None:
-        z.add_(bias[v0:v1])
+        z.add_(bias)
     return z
 
 
@@ -149,10 +150,9 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap
     sz = torch.zeros(n, **f32) if need_sz else None
     zy = torch.zeros(n, **f32)
     yl = yl.contiguous()
-    # One logit tile (and one softcap slope tile) reused for every tile: the
-    # peak stays at a few tiles' worth however large V is.
-    buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
-    slope_buf = torch.empty_like(buf) if softcap and (need_a or need_b) else None
+    # One softcap slope tile reused for every tile: the peak stays at a few
+    # tiles' worth however large V is.
+    slope_buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32) if softcap and (need_a or need_b) else None
     ops = torch.ops.resident_trainer
     for n0 in range(0, n, CPU_BLOCK_N):
         n1 = min(n, n0 + CPU_BLOCK_N)
@@ -160,7 +160,7 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap
         for v0 in range(0, v, CPU_TILE_V):
             v1 = min(v, v0 + CPU_TILE_V)
             wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
-            z = _logit_tile_cpu(buf, hb, wt, None if bias is None else bias[v0:v1].float(), 0, v1 - v0)
+            z = _logit_tile_cpu(hb, wt, None if bias is None else bias[v0:v1].float())
             slope = _tile(slope_buf, n1 - n0, v1 - v0) if slope_buf is not None else None
             # softcap, running max / sum-exp, p = exp(z - m) (times softcap'
             # for the dh accumulator) in one pass over the tile
@@ -171,9 +171,9 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap
                 yl[n0:n1], zy[n0:n1], v0, float(softcap), bool(need_a and softcap),
             )
             if need_a:
-                a[n0:n1].addmm_(z, wt)
+                a[n0:n1].add_(linear(z, wt.T))
             if need_b:
-                b[n0:n1].addmm_(slope, wt)
+                b[n0:n1].add_(linear(slope, wt.T))
     return Partials(m, s, zy, a, b, sz)
 
 
@@ -203,7 +203,6 @@ def _weight_grad_cpu(
     f32 = dict(dtype=torch.float32, device=h.device)
     dw = torch.empty_like(w)
     db = torch.zeros(v, **f32) if need_bias else None
-    buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
     for v0 in range(0, v, CPU_TILE_V):
         v1 = min(v, v0 + CPU_TILE_V)
         wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
@@ -212,12 +211,12 @@ def _weight_grad_cpu(
         for n0 in range(0, n, CPU_BLOCK_N):
             n1 = min(n, n0 + CPU_BLOCK_N)
             hb = h32[n0:n1]
-            g = _logit_tile_cpu(buf, hb, wt, None if bias is None else bias[v0:v1].float(), 0, v1 - v0)
+            g = _logit_tile_cpu(hb, wt, None if bias is None else bias[v0:v1].float())
             # G in place over the logit tile, softcap and target included
             torch.ops.resident_trainer.lce_grad_tile(
                 g, lse[n0:n1], coef[n0:n1], wtok[n0:n1], y_local[n0:n1], v0, float(target_w), float(smooth), float(softcap), None
             )
-            dwt.addmm_(g.T, hb)
+            dwt.add_(linear(g.T, hb.T))
             if need_bias:
                 db[v0:v1] += g.sum(0)
         if dwt.data_ptr() != dw[v0:v1].data_ptr():
@@ -234,58 +233,58 @@ _GATHER_ROWS = 256
 CPU_CHUNK_BYTES = 32 << 20
 
 
-def _logits_into(z: Tensor, h32: Tensor, w: Tensor, bias: Tensor | None) -> None:
-    if w.dtype == torch.float32:
-        torch.mm(h32, w.T, out=z)
-        if bias is not None:
-            z.add_(bias)
-        return
-    # Upcast W a tile at a time: never a full fp32 copy of the head.
-    for v0 in range(0, w.shape[0], CPU_TILE_V):
-        v1 = min(w.shape[0], v0 + CPU_TILE_V)
-        zt = z[:, v0:v1]
-        torch.mm(h32, w[v0:v1].float().T, out=zt)
-        if bias is not None:
-            zt.add_(bias[v0:v1].float())
-
-
 def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bias):
     """Loss, lse, dh and the unit-weight dW/dbias in one pass over token chunks,
-    each chunk's full logit row kept in a bounded buffer: 2NDV for the logits,
-    2NDV for dh, 2NDV for dW, no recompute. Valid when the upstream gradient is
-    the same for every token (reduction "mean" or "sum", lse not returned):
-    backward scales dW by it. Each chunk's statistics are combined across
-    vocabulary shards before its gradients are formed."""
+    each chunk's full logit rows kept (as vocabulary tiles) within a bounded
+    budget: 2NDV for the logits, 2NDV for dh, 2NDV for dW, no recompute. Valid
+    when the upstream gradient is the same for every token (reduction "mean"
+    or "sum", lse not returned): backward scales dW by it. Each chunk's
+    statistics are combined across vocabulary shards before its gradients are
+    formed."""
     _ext.require_extension("linear_cross_entropy (impl='cpu')")
+    ops = torch.ops.resident_trainer
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
     # Every rank must cut the same chunks (their statistics are all-reduced
     # chunk by chunk), so the size follows the largest shard, not this one.
     chunk = max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v_largest, 1) * (2 if softcap else 1))))
-    z_buf = torch.empty(chunk, v, **f32)
-    slope_buf = torch.empty(chunk, v, **f32) if softcap else None
     dw = torch.zeros(v, d, **f32)
     db = torch.zeros(v, **f32) if need_bias else torch.empty(0, **f32)
     dh = torch.zeros(n, d, **f32) if need_dh else torch.empty(0, **f32)
     loss = torch.empty(n, **f32)
     lse = torch.empty(n, **f32)
-    w32 = w if w.dtype == torch.float32 else None
+    bounds = [(v0, min(v, v0 + CPU_TILE_V)) for v0 in range(0, v, CPU_TILE_V)]
     for n0 in range(0, n, chunk):
         n1 = min(n, n0 + chunk)
         c = n1 - n0
         hc = h[n0:n1].float()
-        z = z_buf[:c]
-        _logits_into(z, hc, w, bias)
-        slope = slope_buf[:c] if slope_buf is not None else None
-        ops = torch.ops.resident_trainer
-        big_m, zsum = ops.lce_row_max_sum(z, slope, float(softcap))  # softcap applied in place
+        ylc = yl[n0:n1].contiguous()
+        # The chunk's logits as vocabulary tiles: every product is against a
+        # tile of W, so no backend ever repacks the whole head.
+        tiles, slopes = [], []
+        big_m = torch.full((c,), float("-inf"), **f32)
+        zsum = torch.zeros(c, **f32)
+        zy = torch.zeros(c, **f32)
+        for v0, v1 in bounds:
+            wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
+            z = _logit_tile_cpu(hc, wt, None if bias is None else bias[v0:v1].float())
+            slope = torch.empty_like(z) if softcap else None
+            tm, ts = ops.lce_row_max_sum(z, slope, float(softcap))  # softcap applied in place
+            torch.maximum(big_m, tm, out=big_m)
+            zsum += ts
+            rows = ((ylc >= v0) & (ylc < v1)).nonzero().squeeze(1)
+            if rows.numel():
+                zy[rows] = z[rows, ylc[rows] - v0]
+            tiles.append(z)
+            slopes.append(slope)
         sz = zsum if (eps and softcap) else sz_all[n0:n1]
         if group is not None:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
-        ylc = yl[n0:n1]
-        zy_mine = torch.where(ylc >= 0, z.gather(1, ylc.clamp(min=0)[:, None])[:, 0], torch.zeros(c, **f32))
-        stats = torch.stack([ops.lce_row_exp_sum(z, big_m), zy_mine, sz])
+        s_loc = torch.zeros(c, **f32)
+        for z in tiles:
+            s_loc += ops.lce_row_exp_sum(z, big_m)
+        stats = torch.stack([s_loc, zy, sz])
         if group is not None:
             dist.all_reduce(stats, group=group)
         s_tot, zy_c, sz = stats.unbind(0)
@@ -301,18 +300,17 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, ep
         # G = valid * (softmax * (1 + 2 zl lse) - (1 - eps) onehot - eps / V) * softcap'
         wtok = vc.float()
         coef = wtok * (1.0 + 2.0 * zl * lse_c) if zl else wtok
-        g = z
-        ops.lce_grad_tile(g, lse_c, coef, wtok, yl[n0:n1].contiguous(), 0, 1.0 - eps, eps / vocab, 0.0, slope)
-        if need_dh:
-            if w32 is not None:
-                torch.mm(g, w32, out=dh[n0:n1])
-            else:
-                for v0 in range(0, v, CPU_TILE_V):
-                    v1 = min(v, v0 + CPU_TILE_V)
-                    dh[n0:n1].addmm_(g[:, v0:v1], w[v0:v1].float())
-        dw.addmm_(g.T, hc)
-        if need_bias:
-            db += g.sum(0)
+        dh_c = dh[n0:n1] if need_dh else None
+        for (v0, v1), g, slope in zip(bounds, tiles, slopes):
+            ops.lce_grad_tile(g, lse_c, coef, wtok, ylc, v0, 1.0 - eps, eps / vocab, 0.0, slope)
+            wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
+            if need_dh:
+                dh_c.add_(linear(g, wt.T))
+            # the transposed operand, which oneDNN copies, is one tile
+            dw[v0:v1].add_(linear(g.T, hc.T))
+            if need_bias:
+                db[v0:v1] += g.sum(0)
+        del tiles, slopes
     if need_dh and group is not None:
         dist.all_reduce(dh, group=group)
     # fp32 even for 16-bit heads: backward still multiplies by the upstream
@@ -341,8 +339,6 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
 
 def _partials(h, w, bias, yl, softcap, need_a, need_b, need_sz, impl) -> Partials:
     if impl == "triton":
-        from resident_trainer import _ext
-
         _ext.require_triton("linear_cross_entropy (impl='triton')")
         from resident_trainer.triton_kernels.linear_cross_entropy import lce_partials_triton
 

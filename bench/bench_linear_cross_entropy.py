@@ -18,6 +18,7 @@ torch.cuda.max_memory_allocated the same way.
     make bench                                           # everything in bench/
     pytest bench/bench_linear_cross_entropy.py -s        # this file
     RT_BENCH_LCE_FULL=1 pytest bench/bench_linear_cross_entropy.py -s   # every shape
+    RT_BENCH_LCE_SHAPES="512,576,49152;512,4096,128256" pytest ...       # chosen (N,D,V)
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 SMOLLM2 = (576, 49152)
 LLAMA3_8B = (4096, 128256)
-if os.environ.get("RT_BENCH_LCE_FULL") == "1":
+if os.environ.get("RT_BENCH_LCE_SHAPES"):
+    # e.g. RT_BENCH_LCE_SHAPES="512,576,49152;8192,576,49152"
+    SHAPES = [tuple(int(x) for x in s.split(",")) for s in os.environ["RT_BENCH_LCE_SHAPES"].split(";")]
+elif os.environ.get("RT_BENCH_LCE_FULL") == "1":
     SHAPES = [(n, d, v) for d, v in (SMOLLM2, LLAMA3_8B) for n in (512, 2048, 8192)]
 elif DEVICE == "cuda":
     SHAPES = [(8192, *LLAMA3_8B), (2048, *SMOLLM2)]

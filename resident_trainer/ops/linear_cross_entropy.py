@@ -13,9 +13,11 @@ sum ``S = sum exp(z - m)`` and ``A = sum exp(z - m) W_c`` (rescaled when ``m``
 moves), so the loss and ``dh`` come out of the forward pass with the matmul
 FLOPs of the materializing version (2NDV for the logits, 2NDV for dh) and
 O(tokens x tile) extra memory. dh is kept and scaled by the upstream gradient in
-backward. When the weight (or bias) needs a gradient, backward recomputes each
-logit tile once more for ``dW = G^T h``: cheaper in memory than keeping logits,
-and on CPU faster than token-chunked alternatives (docs/RESULTS.md).
+backward. When the weight (or bias) needs a gradient and the upstream gradient
+is the same for every token, the CPU path instead walks token chunks, keeps one
+chunk's logit rows (32 MiB) and forms dh and dW in the forward pass (6NDV, no
+recompute); otherwise backward recomputes each logit tile once more for
+``dW = G^T h`` (8NDV in all). docs/LINEAR_CROSS_ENTROPY.md has the table.
 
 Vocabulary parallel. With a process group, W is this rank's rows
 ``[vocab_start, vocab_start + V_local)`` of the global head. Ranks all-reduce
@@ -117,10 +119,10 @@ class Partials:
     sz: Tensor | None = None
 
 
-# Vocabulary tile and token block of the CPU path. Measured (docs/RESULTS.md):
-# 1024-row vocabulary tiles against up to 2048 tokens keep the fp32 logit tile
-# at 8 MiB, within L3, and run the GEMMs at 1.15-1.3x the rate of one big
-# h @ W.T on this 2-core Zen 4.
+# Vocabulary tile and token block of the CPU path: 1024-row vocabulary tiles
+# against up to 2048 tokens keep the fp32 logit tile at 8 MiB, within L3. On
+# this 2-core AMD EPYC the tile products ran at 186 GFLOP/s (T=1024) against
+# 170-181 for T=2048-8192 through MKL, and at 330+ through oneDNN (_gemm.py).
 CPU_TILE_V = 1024
 CPU_BLOCK_N = 2048
 
@@ -227,9 +229,9 @@ def _weight_grad_cpu(
 # Token rows per gather of target rows of W (bounds those (rows, D) temporaries).
 _GATHER_ROWS = 256
 
-# Logit buffer of the weight-gradient path: 32 MiB is under 3% of what eager
-# torch allocates at N=2048, V=49152, and gives 160-row chunks there, enough
-# for the GEMMs to run near their large-shape rate on this CPU.
+# Logit budget of the weight-gradient path: 32 MiB is under 3% of what eager
+# torch allocates at N=2048, V=49152, and gives 170-row chunks there, enough
+# for the products to run near their large-shape rate on this CPU.
 CPU_CHUNK_BYTES = 32 << 20
 
 

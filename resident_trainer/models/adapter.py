@@ -1,0 +1,141 @@
+"""A Hugging Face decoder-only causal LM seen as the pieces the trainer needs.
+
+Works for Llama (SmolLM2), Qwen2-MoE and Mixtral, and any model with the same
+layout: ``model.model.{embed_tokens, layers, norm, rotary_emb}`` and
+``model.lm_head``, each decoder layer computing
+``h + mlp(post_attention_layernorm(h + attn(input_layernorm(h))))``. The
+adapter only holds references: no weight is copied, and nothing in
+transformers is patched (the added block attaches to one layer's ``mlp``
+instance through a forward hook).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class LayerContext:
+    """What every decoder layer call needs besides the hidden states."""
+
+    attention_mask: Tensor | None
+    position_embeddings: tuple[Tensor, Tensor]
+    position_ids: Tensor
+
+
+class DecoderAdapter:
+    """embed, layers (with their call context), final norm and vocabulary head
+    of a causal LM, by reference."""
+
+    def __init__(self, model: nn.Module):
+        inner = getattr(model, "model", None)
+        missing = [
+            name
+            for name, obj in (
+                ("model.model", inner),
+                ("model.lm_head", getattr(model, "lm_head", None)),
+                ("model.model.embed_tokens", getattr(inner, "embed_tokens", None)),
+                ("model.model.layers", getattr(inner, "layers", None)),
+                ("model.model.norm", getattr(inner, "norm", None)),
+                ("model.model.rotary_emb", getattr(inner, "rotary_emb", None)),
+            )
+            if obj is None
+        ]
+        if missing:
+            raise TypeError(
+                f"model ({type(model).__name__}) does not have the decoder layout the adapter needs: missing {missing}"
+            )
+        for i, layer in enumerate(inner.layers):
+            if not hasattr(layer, "mlp") or not hasattr(layer, "post_attention_layernorm"):
+                raise TypeError(f"model.model.layers[{i}] ({type(layer).__name__}) has no mlp / post_attention_layernorm")
+        self.model = model
+        self.config = model.config
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def head_weight(self) -> Tensor:
+        """The model's own (V, D) head weight (the embedding, when tied)."""
+        return self.lm_head.weight
+
+    @property
+    def head_bias(self) -> Tensor | None:
+        return self.lm_head.bias
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def ffn(self, layer: int) -> nn.Module:
+        """Layer `layer`'s feed-forward block (on MoE models the sparse block,
+        which holds the shared expert); its input is the normalized hidden."""
+        return self.layers[self.check_layer(layer)].mlp
+
+    def check_layer(self, layer: int) -> int:
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer!r}")
+        return layer
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        return self.embed(input_ids)
+
+    def context(self, hidden: Tensor, attention_mask: Tensor | None = None) -> LayerContext:
+        """Causal mask, rotary embeddings and positions for a (B, T, D) batch.
+        attention_mask: optional (B, T) 1/0 padding mask."""
+        from transformers.masking_utils import create_causal_mask
+
+        b, t = hidden.shape[:2]
+        position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=position_ids
+        )
+        return LayerContext(mask, self.rotary(hidden, position_ids=position_ids), position_ids)
+
+    def run_layer(self, layer: int, hidden: Tensor, ctx: LayerContext) -> Tensor:
+        out = self.layers[layer](
+            hidden,
+            attention_mask=ctx.attention_mask,
+            position_embeddings=ctx.position_embeddings,
+            position_ids=ctx.position_ids,
+        )
+        # Older transformers return a tuple from decoder layers.
+        return out[0] if isinstance(out, tuple) else out
+
+    def frozen_tensors(self) -> dict[str, Tensor]:
+        """Every parameter and buffer of the base model (tied tensors once)."""
+        named = dict(self.model.named_parameters())
+        named.update(self.model.named_buffers())
+        return named
+
+    def clamp_layer(self, layer: int, name: str = "layer") -> int:
+        """`layer` clamped into [0, num_layers) with a warning if it was outside
+        (RESIDENT_TRAINER_LAYER defaults to 35, deeper than small models)."""
+        if 0 <= layer < self.num_layers:
+            return layer
+        import warnings
+
+        clamped = min(max(layer, 0), self.num_layers - 1)
+        warnings.warn(f"{name}={layer} is outside this model's {self.num_layers} layers; using {clamped}", stacklevel=2)
+        return clamped

@@ -1,0 +1,182 @@
+"""Memory-thin pieces of a training step on a frozen model: the streamed loss
+over the vocabulary head the model already holds, and the replay of the frozen
+layers after the trained one.
+
+A step at layer L costs the activations of about one layer: the prefix
+(layers < L) runs without grad; layer L runs with grad (the added block is the
+only trainable thing in it); the suffix (layers > L) runs without grad keeping
+only its boundary hidden states; backward replays the suffix one layer at a
+time, newest first (recompute the layer with grad, take the gradient w.r.t.
+its input, free it), then backpropagates through layer L into the block.
+The replay calls the same layer code on the same inputs as the first pass,
+so MoE routing recomputes identically and the boundaries do not drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from resident_trainer.models.adapter import DecoderAdapter, LayerContext
+from resident_trainer.ops.linear_cross_entropy import linear_cross_entropy
+
+
+class StreamedCrossEntropy:
+    """Final norm + ``linear_cross_entropy`` over the model's own vocabulary head
+    (tied embeddings included): ``F.cross_entropy(lm_head(norm(h)), y)``
+    without the logits. With a process group, `head_weight` is this rank's
+    contiguous shard of the head rows starting at `vocab_start`, a view of the
+    model's tensor. No base weight is copied."""
+
+    def __init__(
+        self,
+        adapter: DecoderAdapter,
+        *,
+        head_weight: Tensor | None = None,
+        head_bias: Tensor | None = None,
+        process_group=None,
+        vocab_start: int = 0,
+        impl: str = "auto",
+        **ce_kwargs,
+    ):
+        self.adapter = adapter
+        self.head_weight = adapter.head_weight if head_weight is None else head_weight
+        self.head_bias = adapter.head_bias if head_weight is None else head_bias
+        self.process_group = process_group
+        self.vocab_start = vocab_start
+        self.impl = impl
+        self.ce_kwargs = ce_kwargs
+
+    def __call__(self, hidden: Tensor, targets: Tensor, **kw) -> Tensor:
+        """hidden: (B, T, D) output of the last layer; targets: (B, T) with
+        ignore_index (-100) where no loss is wanted. Extra keyword arguments go
+        to linear_cross_entropy (reduction, return_lse, ...)."""
+        normed = self.adapter.norm(hidden)
+        return linear_cross_entropy(
+            normed,
+            self.head_weight,
+            targets,
+            linear_bias=self.head_bias,
+            process_group=self.process_group,
+            vocab_start=self.vocab_start,
+            impl=self.impl,
+            **{**self.ce_kwargs, **kw},
+        )
+
+
+@dataclass
+class ReplayResult:
+    """One step's loss (a detached scalar) and the peak bytes saved for
+    backward by any one graph it built (the activation memory it held)."""
+
+    loss: Tensor
+    peak_saved_bytes: int
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward while active."""
+
+    def __init__(self):
+        self.total = 0
+
+    def __enter__(self):
+        def pack(t):
+            self.total += t.numel() * t.element_size()
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class LayerReplay:
+    """One training step of whatever trains inside layer `layer` (the added
+    block, attached to that layer), with the frozen suffix replayed in
+    backward instead of kept as a graph."""
+
+    def __init__(self, adapter: DecoderAdapter, layer: int):
+        self.adapter = adapter
+        self.layer = adapter.check_layer(layer)
+
+    def prefix(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, LayerContext]:
+        """Hidden state entering layer `layer` (no grad) and the layer context."""
+        with torch.no_grad():
+            h = self.adapter.embed_tokens(input_ids)
+            ctx = self.adapter.context(h, attention_mask)
+            for i in range(self.layer):
+                h = self.adapter.run_layer(i, h, ctx)
+        return h, ctx
+
+    def step(
+        self,
+        input_ids: Tensor,
+        loss_fn: Callable[[Tensor], Tensor],
+        *,
+        attention_mask: Tensor | None = None,
+        extra_loss: Callable[[], Tensor] | None = None,
+    ) -> ReplayResult:
+        """Forward and backward of ``loss_fn(last hidden)`` (+ ``extra_loss()``,
+        e.g. a penalty on the block's output elsewhere); gradients land in
+        the trainable parameters' ``.grad``. loss_fn: (B, T, D) -> scalar."""
+        a = self.adapter
+        h_in, ctx = self.prefix(input_ids, attention_mask)
+        peak = 0
+        # Layer L with grad: the trainable block is the only leaf in it.
+        with _SavedBytes() as saved:
+            h_out = a.run_layer(self.layer, h_in, ctx)
+        layer_saved = saved.total
+        # Suffix without grad: keep the boundaries only.
+        bounds = [h_out.detach()]
+        with torch.no_grad():
+            for i in range(self.layer + 1, a.num_layers):
+                bounds.append(a.run_layer(i, bounds[-1], ctx))
+        last = bounds[-1].requires_grad_(True)
+        with _SavedBytes() as saved:
+            loss = loss_fn(last)
+        peak = max(peak, saved.total)
+        (grad,) = torch.autograd.grad(loss, last)
+        # Replay the suffix newest first, one layer's graph at a time (layer
+        # L's own graph stays alive meanwhile, hence its bytes on top).
+        for i in range(a.num_layers - 1, self.layer, -1):
+            x = bounds[i - self.layer - 1].requires_grad_(True)
+            with torch.enable_grad(), _SavedBytes() as saved:
+                y = a.run_layer(i, x, ctx)
+            peak = max(peak, saved.total)
+            (grad,) = torch.autograd.grad(y, x, grad)
+            bounds[i - self.layer] = None  # free the boundary it replaced
+        total = loss.detach()
+        if extra_loss is not None:
+            with _SavedBytes() as saved:
+                extra = extra_loss()
+            peak = max(peak, saved.total)
+            torch.autograd.backward([h_out, extra], [grad, torch.ones_like(extra)])
+            total = total + extra.detach()
+        else:
+            h_out.backward(grad)
+        return ReplayResult(total, layer_saved + peak)
+
+
+def full_graph_step(
+    adapter: DecoderAdapter,
+    input_ids: Tensor,
+    loss_fn: Callable[[Tensor], Tensor],
+    *,
+    attention_mask: Tensor | None = None,
+) -> ReplayResult:
+    """The same step with plain autograd through every layer (the reference
+    that replay is tested and benchmarked against)."""
+    a = adapter
+    with _SavedBytes() as saved:
+        h = a.embed_tokens(input_ids)
+        ctx = a.context(h, attention_mask)
+        for i in range(a.num_layers):
+            h = a.run_layer(i, h, ctx)
+        loss = loss_fn(h)
+    loss.backward()
+    return ReplayResult(loss.detach(), saved.total)

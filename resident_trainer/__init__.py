@@ -3,6 +3,7 @@
 Public ops (see docs/ for the full reference):
     fingerprint, fingerprint_tensors   64-bit digests of frozen weights
     linear_cross_entropy               exact CE of h @ W.T in vocabulary tiles
+    added_expert, AddedExpert          fused added-neuron SwiGLU block, forward + backward
     protocol                           jobs inside a live tensor-parallel server (docs/ARCHITECTURE.md)
 """
 
@@ -16,6 +17,7 @@ from resident_trainer.ops.fingerprint import (
     combine_partials,
 )
 from resident_trainer.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from resident_trainer.ops.added_expert import AddedExpert, added_expert, added_expert_reference
 from resident_trainer import protocol
 from resident_trainer.protocol import JobSpec, ProtocolConfig
 
@@ -35,4 +37,7 @@ __all__ = [
     "fingerprint_tensors",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "AddedExpert",
+    "added_expert",
+    "added_expert_reference",
 ]

@@ -47,3 +47,26 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
 def require_triton(what: str) -> None:
     if not HAS_TRITON:
         raise RuntimeError(f"{what} needs Triton, which is not installed: pip install triton")
+
+
+def resolve_impl(op: str, impl: str, impls: tuple[str, ...], device: torch.device, gpu_auto: str) -> str:
+    """The implementation an op runs for `impl` on `device`: "auto" picks "cpu"
+    on CPUs and `gpu_auto` on CUDA; explicit choices are checked against the
+    device (Triton runs on CPU tensors only under TRITON_INTERPRET=1)."""
+    import os
+
+    if impl not in impls:
+        raise ValueError(f"impl must be one of {impls}, got {impl!r}")
+    if impl == "auto":
+        if device.type == "cpu":
+            return "cpu"
+        if device.type == "cuda":
+            return gpu_auto
+        raise ValueError(f"no {op} kernel for device type {device.type!r}; pass impl='reference'")
+    if impl == "cpu" and device.type != "cpu":
+        raise ValueError(f"impl='cpu' needs CPU tensors, got tensors on {device}")
+    if impl == "cuda" and device.type != "cuda":
+        raise ValueError(f"impl='cuda' needs CUDA tensors, got tensors on {device}")
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got tensors on {device}")
+    return impl

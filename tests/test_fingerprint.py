@@ -300,7 +300,7 @@ def test_bad_input_errors():
         rt.fingerprint(torch.zeros(3, device="meta"))
     with pytest.raises(ValueError, match="dense"):
         rt.fingerprint(torch.zeros(3, 3).to_sparse())
-    with pytest.raises(ValueError, match="impl='cuda' needs a CUDA tensor"):
+    with pytest.raises(ValueError, match="impl='cuda' needs CUDA tensors"):
         rt.fingerprint(torch.zeros(3), impl="cuda")
     with pytest.raises(TypeError, match="named must be a Mapping"):
         rt.fingerprint_tensors([torch.zeros(2)])

@@ -17,7 +17,6 @@ device, and shards hashed at their global offsets add up to the whole tensor.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -161,21 +160,8 @@ def _byte_chunks(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> Iterator[t
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        if device.type == "cpu":
-            return "cpu"
-        if device.type == "cuda":
-            return "cuda" if _ext.has_kernel("fingerprint_lanes", "CUDA") else "triton"
-        raise ValueError(f"no fingerprint kernel for device type {device.type!r}; pass impl='reference'")
-    if impl == "cpu" and device.type != "cpu":
-        raise ValueError(f"impl='cpu' needs a CPU tensor, got one on {device}")
-    if impl == "cuda" and device.type != "cuda":
-        raise ValueError(f"impl='cuda' needs a CUDA tensor, got one on {device}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on the CPU), got one on {device}")
-    return impl
+    gpu = "cuda" if _ext.has_kernel("fingerprint_lanes", "CUDA") else "triton"
+    return _ext.resolve_impl("fingerprint", impl, IMPLS, device, gpu)
 
 
 def _aligned(data: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ their partial dh, so every rank gets the exact global loss, lse and dh.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -324,19 +323,7 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, ep
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        if device.type == "cpu":
-            return "cpu"
-        if device.type == "cuda":
-            return "triton"
-        raise ValueError(f"no linear_cross_entropy kernel for device type {device.type!r}; pass impl='reference'")
-    if impl == "cpu" and device.type != "cpu":
-        raise ValueError(f"impl='cpu' needs CPU tensors, got tensors on {device}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got tensors on {device}")
-    return impl
+    return _ext.resolve_impl("linear_cross_entropy", impl, IMPLS, device, "triton")
 
 
 def _partials(h, w, bias, yl, softcap, need_a, need_b, need_sz, impl) -> Partials:

@@ -1,0 +1,179 @@
+"""Added-expert block, forward and forward + backward: time, ratio to torch
+autograd, TFLOP/s and the activation bytes each provider keeps for the
+backward, every provider measured in the same run.
+
+Providers: ours (``impl="auto"``: on CPU the compiled kernel for fp32 with
+D < 1024, else the torch composition; Triton on GPU) saving the
+pre-activations and with ``recompute=True``; the compiled CPU kernel
+(``impl="cpu"``) and the torch composition (``impl="torch"``) on their own; plain torch autograd of
+``F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` (the reference,
+the Hugging Face LlamaMLP); Liger-Kernel's SwiGLU MLP (cuBLAS products around
+its fused silu * up, GPU only); and the torch.mm floor: the block's products
+alone (3 forward, 9 forward + backward) with no elementwise work, the bound
+for any implementation built on torch.mm.
+
+FLOPs: the block's products, 6 N D A forward and 18 N D A forward + backward
+(x, Wg, Wu, Wd all need gradients), the same count for every provider; the
+recomputing mode does 4 N D A more than it is credited with.
+
+Saved bytes (``saved_act_bytes``): what autograd keeps for the backward
+beyond the inputs x, Wg, Wu, Wd, found with torch.autograd.graph.saved_tensors_hooks
+(each storage once). Autograd keeps gate, up, silu(gate) and the product:
+4 N A elements; ours keeps gate and up; recomputing, nothing.
+
+    make bench                                       # everything in bench/
+    pytest bench/bench_added_expert.py -s            # this file: the CPU goal shape on CPU
+    RT_BENCH_AE_FULL=1 pytest bench/bench_added_expert.py -s   # every shape below
+    RT_BENCH_AE_DTYPES=bfloat16 pytest bench/bench_added_expert.py -s   # other dtypes
+    pytest bench/bench_added_expert.py -s -k "N2048-D4096"     # pick shapes by id
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import resident_trainer.ops.added_expert as ae
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GOAL = (2048, 576, 256)  # N, D, A: SmolLM2's width, a typical block
+FULL = [(n, d, a) for d in (576, 4096) for a in (64, 256, 1024) for n in (512, 2048, 8192)]
+if os.environ.get("RT_BENCH_AE_FULL") == "1" or DEVICE == "cuda":
+    SHAPES = FULL
+else:
+    # The CPU goal shape; the full grid takes about an hour on two cores.
+    SHAPES = [GOAL]
+# RT_BENCH_AE_DTYPES=float32,bfloat16 picks others (the goals: fp32 on CPU, bf16 on GPU).
+_DT = os.environ.get("RT_BENCH_AE_DTYPES", "bfloat16" if DEVICE == "cuda" else "float32")
+DTYPES = [getattr(torch, name) for name in _DT.split(",")]
+ROUNDS = int(os.environ.get("RT_BENCH_AE_ROUNDS", "15"))
+
+
+def _ours(x, wg, wu, wd):
+    return ae.added_expert(x, wg, wu, wd)
+
+
+def _ours_recompute(x, wg, wu, wd):
+    return ae.added_expert(x, wg, wu, wd, recompute=True)
+
+
+def _ours_torch(x, wg, wu, wd):
+    return ae.added_expert(x, wg, wu, wd, impl="torch")
+
+
+def _ours_cpu(x, wg, wu, wd):
+    return ae.added_expert(x, wg, wu, wd, impl="cpu")
+
+
+def _reference(x, wg, wu, wd):
+    return ae.added_expert_reference(x, wg, wu, wd)
+
+
+def _liger(x, wg, wu, wd):
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return F.linear(LigerSiLUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
+
+
+PROVIDERS = {
+    "ours": ("resident_trainer.added_expert", _ours),
+    "ours-recompute": ("resident_trainer.added_expert recompute", _ours_recompute),
+    "ours-torch": ("resident_trainer (impl='torch')", _ours_torch),
+    "ours-cpu": ("resident_trainer (impl='cpu')", _ours_cpu),
+    "reference": ("torch autograd (HF LlamaMLP)", _reference),
+    "liger": ("Liger SiLUMul + cuBLAS", _liger),
+    "mm-floor": ("torch.mm floor (products only)", None),
+}
+
+
+class _Floor:
+    """The block's products with torch.mm and nothing else, on the same
+    operands (stand-ins for the activations)."""
+
+    def __init__(self, x, wg, wu, wd, dout):
+        self.x, self.wg, self.wu, self.wd, self.dout = x.detach(), wg.detach(), wu.detach(), wd.detach(), dout
+        self.h = torch.mm(self.x, self.wg.t())
+
+    def forward(self):
+        g = torch.mm(self.x, self.wg.t())
+        u = torch.mm(self.x, self.wu.t())
+        return torch.mm(g, self.wd.t()), u
+
+    def step(self):
+        self.forward()
+        h, x, d = self.h, self.x, self.dout
+        dp = torch.mm(d, self.wd)
+        torch.mm(d.t(), h)  # dWd
+        torch.mm(h.t(), x)  # dWg
+        torch.mm(h.t(), x)  # dWu
+        torch.mm(dp, self.wg)  # dx, gate half
+        torch.mm(dp, self.wu)  # dx, up half
+
+
+def _saved_act_bytes(fn, leaves):
+    own = {t.untyped_storage().data_ptr() for t in leaves}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*leaves)
+    return sum(seen.values())
+
+
+def _inputs(n, d, a, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=gen).to(DEVICE, dtype).requires_grad_()
+    wg = (torch.randn(a, d, generator=gen) / d**0.5).to(DEVICE, dtype).requires_grad_()
+    wu = (torch.randn(a, d, generator=gen) / d**0.5).to(DEVICE, dtype).requires_grad_()
+    wd = (torch.randn(d, a, generator=gen) / a**0.5).to(DEVICE, dtype).requires_grad_()
+    dout = torch.randn(n, d, generator=gen).to(DEVICE, dtype)
+    return [x, wg, wu, wd], dout
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "N{}-D{}-A{}".format(*s))
+def test_added_expert(benchmark, shape, dtype, mode, provider):
+    name, fn = PROVIDERS[provider]
+    if provider == "liger" and DEVICE != "cuda":
+        pytest.skip("Liger's kernels are Triton, GPU only (the interpreter is a test tool)")
+    if provider == "ours-cpu" and (DEVICE != "cpu" or dtype != torch.float32):
+        pytest.skip("the compiled CPU kernel is fp32 on CPU")
+    n, d, a = shape
+    leaves, dout = _inputs(n, d, a, dtype)
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+
+    if fn is None:
+        floor = _Floor(*leaves, dout)
+        call = floor.forward if mode == "fwd" else floor.step
+        saved = None
+    else:
+        saved = _saved_act_bytes(fn, leaves)
+
+        def call():
+            for t in leaves:
+                t.grad = None
+            out = fn(*leaves)
+            if mode == "fwd+bwd":
+                out.backward(dout)
+            return out
+
+    def timed():
+        call()
+        sync()
+
+    benchmark.group = f"added_expert {mode} N={n} D={d} A={a} {str(dtype)[6:]} on {DEVICE}"
+    flops = (6 if mode == "fwd" else 18) * n * d * a
+    benchmark.extra_info.update(provider=name, reference=provider == "reference", flops=flops)
+    if saved is not None:
+        benchmark.extra_info["saved_act_bytes"] = saved
+    benchmark.pedantic(timed, rounds=ROUNDS, iterations=1, warmup_rounds=2)

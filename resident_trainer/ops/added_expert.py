@@ -1,0 +1,480 @@
+"""Added expert: the trained SwiGLU block ``out = (silu(x Wg^T) * (x Wu^T)) Wd^T``.
+
+Read bottom-up: the plain-torch oracle, the torch composition of the fused
+op, the dispatch to the kernels (C++ on CPU: csrc/added_expert_cpu.cpp;
+Triton: triton_kernels/added_expert.py), the torch.library ops with their
+autograd, the tensor-parallel wrappers, the public function, and the module.
+
+Shapes: x (N, D) or (B, T, D); w_gate, w_up (A, D); w_down (D, A). Gate and up
+may come packed as one (2A, D) weight, **gate rows first**:
+``w_gate_up = torch.cat([w_gate, w_up])`` (the layout of a merged
+column-parallel gate/up projection; under tensor parallelism each rank packs
+its own gate rows above its own up rows).
+
+What the fused op does that autograd does in many steps: gate and up come
+from one pass over x against the packed weight (one product in the torch
+composition; in the kernels both tiles from the same x rows while they are in
+cache, in two accumulators); the whole elementwise backward is one pass, the
+epilogue of dp = dout @ Wd in the kernels (five elementwise ops in the torch
+composition); dx is one product against the packed weight (``[dgate | dup] @ W_gu``) and the
+gate/up weight gradients are one product (``[dgate | dup]^T @ x``). It saves
+the two pre-activations (N, 2A) instead of autograd's four (N, A) tensors, and
+with ``recompute=True`` nothing but x (the backward recomputes them).
+
+Casts follow the Hugging Face SwiGLU MLP, ``down(act(gate(x)) * up(x))``, in
+the input dtype: gate and up rounded, silu(gate) rounded before the multiply,
+the product rounded; every product accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from resident_trainer import _ext
+from resident_trainer.ops._gemm import ONEDNN, linear
+
+IMPLS = ("auto", "cpu", "torch", "triton", "reference")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# --- the oracle: plain torch autograd, materializes everything ------------------
+
+
+def added_expert_reference(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    token_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)``,
+    rows where token_mask is False set to zero; the Hugging Face LlamaMLP in
+    the input dtype (run it in fp64 for a ground truth). w_up=None: w_gate is
+    the packed (2A, D) weight, gate rows first."""
+    if w_up is None:
+        w_gate, w_up = w_gate.chunk(2, dim=0)
+    p = F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+    if token_mask is not None:
+        p = torch.where(token_mask.unsqueeze(-1), p, torch.zeros((), dtype=p.dtype, device=p.device))
+    return F.linear(p, w_down)
+
+
+# --- the fused op from torch ops: any dtype and device ---------------------------
+
+# Products go through resident_trainer.ops._gemm.linear: oneDNN's inner
+# product on CPUs (AVX-512 on AMD, where MKL runs AVX2: 2.5 ms against 6.5 ms
+# for (2048 x 576) @ (576 x 256) fp32 on one thread), torch.mm elsewhere.
+_mm_nt = linear
+
+
+def _act_forward_torch(h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """p = silu(gate) * up with HF casts, h = [gate | up]: (N, 2A) -> (N, A)."""
+    a = h.shape[1] // 2
+    p = F.silu(h[:, :a])
+    p.mul_(h[:, a:])
+    if token_mask is not None:
+        p.masked_fill_(~token_mask.unsqueeze(1), 0)
+    return p
+
+
+def _act_backward_torch(
+    h: torch.Tensor, dp: torch.Tensor, token_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, p): dh = [dgate | dup] (N, 2A) for dp = dL/dp (N, A), and p again
+    (for dWd), from h = [gate | up]. Five elementwise passes, written in the
+    input dtype (each computes in fp32 inside), none in an fp32 temporary:
+    in bf16 the upcast copies cost more than the passes themselves."""
+    n, a = dp.shape
+    gate, up = h[:, :a], h[:, a:]
+    # The same op as the forward, so p and the rounded silu are bit-identical.
+    act = F.silu(gate)
+    p = act * up
+    dh = torch.empty((n, 2 * a), dtype=h.dtype, device=h.device)
+    torch.mul(dp, act, out=dh[:, a:])
+    torch.ops.aten.silu_backward.grad_input(dp * up, gate, grad_input=dh[:, :a])
+    if token_mask is not None:
+        off = ~token_mask.unsqueeze(1)
+        dh.masked_fill_(off, 0)
+        p.masked_fill_(off, 0)
+    return dh, p
+
+
+def _mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a.T @ b for a: (N, M), b: (N, L), the weight-gradient shape. oneDNN's
+    inner product copies a transposed first operand, so the narrower of the
+    two goes there. In bf16, torch.mm (oneDNN's matmul, no copy) is faster
+    for this shape: 1.45 ms against 2.0 ms for (512 x 2048) @ (2048 x 576)."""
+    if a.dtype == torch.bfloat16 or not ONEDNN:
+        return torch.mm(a.t(), b)
+    if a.shape[1] <= b.shape[1]:
+        return _mm_nt(a.t(), b.t())
+    return _mm_nt(b.t(), a.t()).t().contiguous()
+
+
+def _pack(w_gate: torch.Tensor, w_up: torch.Tensor | None) -> torch.Tensor:
+    # A temporary: the op saves the caller's weights, never this copy.
+    return w_gate if w_up is None else torch.cat([w_gate, w_up])
+
+
+def _forward_torch(x, w_gate, w_up, w_down, token_mask, store_pre):
+    h = _mm_nt(x, _pack(w_gate, w_up))
+    p = _act_forward_torch(h, token_mask)
+    out = _mm_nt(p, w_down)
+    return out, (h if store_pre else h.new_empty((0, h.shape[1])))
+
+
+def _backward_torch(grad_out, x, w_gate, w_up, w_down, h, token_mask, need_dx, need_dwgu, need_dwd):
+    w_gate_up = _pack(w_gate, w_up)
+    if h is None:
+        h = _mm_nt(x, w_gate_up)
+    dp = _mm_nt(grad_out, w_down.t())
+    dh, p = _act_backward_torch(h, dp, token_mask)
+    dw_down = _mm_tn(grad_out, p) if need_dwd else None
+    dw_gate_up = _mm_tn(dh, x) if need_dwgu else None
+    dx = _mm_nt(dh, w_gate_up.t()) if need_dx else None
+    return dx, dw_gate_up, dw_down
+
+
+# --- dispatch, torch.library ops and their autograd -----------------------------
+
+
+# Looked up once: the dispatcher query is not traceable by torch.compile.
+_HAS_CPU_KERNEL = _ext.has_kernel("added_expert_fused_forward", "CPU")
+
+# The compiled kernel is the CPU default below this width. Measured on a
+# 2-core Zen 5, fp32, forward + backward: at D = 576 it is as fast as the
+# torch composition or faster (up to 25%; 10% at N = 2048, A = 256) at every
+# N and A of the benchmark grid, the elementwise work staying on tiles in
+# cache; at D = 1024 the composition is 5% faster and at D = 2048-4096 5-30%,
+# oneDNN's inner product blocking the long D loops better.
+_CPU_KERNEL_MAX_D = 1023
+
+
+def _resolve_impl(impl: str, x: torch.Tensor) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    device = x.device
+    if impl == "auto":
+        if device.type == "cuda":
+            _ext.require_triton("added_expert on CUDA (impl='auto')")
+            return "triton"
+        # The compiled kernel covers fp32; for bf16, fp16 and fp64 the torch
+        # composition is the CPU path (oneDNN's bf16 inner product already
+        # runs the CPU's bf16 dot-product instructions).
+        if device.type == "cpu" and x.dtype == torch.float32 and _HAS_CPU_KERNEL and x.shape[-1] <= _CPU_KERNEL_MAX_D:
+            return "cpu"
+        return "torch"
+    if impl == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"impl='cpu' needs CPU tensors, got x on {device}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"impl='cpu' (the compiled kernel) takes float32, got {x.dtype}; use impl='auto' or 'torch'")
+        _ext.require_extension("added_expert (impl='cpu')")
+        if not _HAS_CPU_KERNEL:
+            raise RuntimeError("impl='cpu': resident_trainer._C was built without the added_expert kernel; " + _ext.BUILD_HINT)
+    if impl == "triton":
+        _ext.require_triton("added_expert (impl='triton')")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got x on {device}")
+    return impl
+
+
+def _forward_impl(x, w_gate, w_up, w_down, token_mask, store_pre, impl):
+    n, d = x.shape
+    a = w_down.shape[1]
+    if n == 0:
+        return x.new_zeros((0, d)), x.new_empty((0, 2 * a))
+    if w_down.numel() == 0:
+        impl = "torch"  # D = 0 or A = 0: nothing for a kernel to do
+    if impl == "cpu":
+        return torch.ops.resident_trainer.added_expert_fused_forward(x, w_gate, w_up, w_down, token_mask, store_pre)
+    if impl == "triton":
+        from resident_trainer.triton_kernels.added_expert import added_expert_forward_triton
+
+        return added_expert_forward_triton(x, w_gate, w_up, w_down, token_mask, store_pre)
+    return _forward_torch(x, w_gate, w_up, w_down, token_mask, store_pre)
+
+
+def _backward_impl(grad_out, x, w_gate, w_up, w_down, h, token_mask, need_dx, need_dwgu, need_dwd, impl):
+    """(dx, dW_gu, dWd), dW_gu packed (2A, D); None where not needed."""
+    a = w_down.shape[1]
+    if x.shape[0] == 0:
+        return (
+            x.new_zeros(x.shape) if need_dx else None,
+            x.new_zeros((2 * a, x.shape[1])) if need_dwgu else None,
+            torch.zeros_like(w_down) if need_dwd else None,
+        )
+    if w_down.numel() == 0:
+        impl = "torch"
+    args = (grad_out, x, w_gate, w_up, w_down, h, token_mask, need_dx, need_dwgu, need_dwd)
+    if impl == "cpu":
+        grads = torch.ops.resident_trainer.added_expert_fused_backward(*args)
+        return tuple(g if want else None for g, want in zip(grads, (need_dx, need_dwgu, need_dwd)))
+    if impl == "triton":
+        from resident_trainer.triton_kernels.added_expert import added_expert_backward_triton
+
+        return added_expert_backward_triton(*args)
+    return _backward_torch(*args)
+
+
+@torch.library.custom_op("resident_trainer::added_expert_forward", mutates_args=())
+def _forward_op(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    store_pre: bool,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, h): the block's output (N, D) and, when store_pre, the
+    pre-activations h = [gate | up] (N, 2A) that the backward reads
+    (otherwise a (0, 2A) placeholder). w_up=None: w_gate is packed (2A, D)."""
+    return _forward_impl(x, w_gate, w_up, w_down, token_mask, store_pre, impl)
+
+
+@_forward_op.register_fake
+def _(x, w_gate, w_up, w_down, token_mask, store_pre, impl):
+    n = x.shape[0] if store_pre else 0
+    return x.new_empty((x.shape[0], w_down.shape[0])), x.new_empty((n, 2 * w_down.shape[1]))
+
+
+@torch.library.custom_op("resident_trainer::added_expert_backward", mutates_args=())
+def _backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    h: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    recompute: bool,
+    need: list[bool],
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW_gu, dWd), dW_gu packed (2A, D); a gradient not asked for in
+    `need` comes back as a 0-element placeholder (ops cannot return None)."""
+    grads = _backward_impl(
+        grad_out, x, w_gate, w_up, w_down, None if recompute else h, token_mask, need[0], need[1], need[2], impl
+    )
+    return tuple(g if g is not None else x.new_empty((0,)) for g in grads)
+
+
+@_backward_op.register_fake
+def _(grad_out, x, w_gate, w_up, w_down, h, token_mask, recompute, need, impl):
+    shapes = (x.shape, (2 * w_down.shape[1], x.shape[1]), w_down.shape)
+    return tuple(x.new_empty(s if want else (0,)) for s, want in zip(shapes, need))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_gate, w_up, w_down, token_mask, store_pre, impl = inputs
+    ctx.recompute = not store_pre
+    ctx.impl = impl
+    ctx.packed = w_up is None
+    # The op's inputs, and h: the only activation it adds (none when
+    # recomputing). Separate gate and up weights are saved as they are, never
+    # as a packed copy.
+    ctx.save_for_backward(x, w_gate, w_up, w_down, output[1] if store_pre else None, token_mask)
+
+
+def _backward(ctx, grad_out, grad_h):
+    x, w_gate, w_up, w_down, h, token_mask = ctx.saved_tensors
+    nx, ng, nu, nd = ctx.needs_input_grad[:4]
+    need = [bool(nx), bool(ng or nu), bool(nd)]
+    if not any(need):
+        return (None,) * 7
+    if h is None:
+        h = x.new_empty((0, 2 * w_down.shape[1]))
+    dx, dwgu, dwd = _backward_op(grad_out, x, w_gate, w_up, w_down, h, token_mask, ctx.recompute, need, ctx.impl)
+    if ctx.packed:
+        dwg, dwu = (dwgu if ng else None), None
+    else:
+        dwg, dwu = dwgu.chunk(2) if need[1] else (None, None)
+        dwg, dwu = (dwg if ng else None), (dwu if nu else None)
+    return (dx if nx else None), dwg, dwu, (dwd if nd else None), None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- tensor parallelism: A neurons split over the ranks -------------------------
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Identity forward; the backward sums the ranks' partial dx."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        # A fresh contiguous buffer: the incoming gradient may be a strided or
+        # expanded view, and all_reduce works in place.
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Sums the ranks' partial outputs; identity backward (every rank gets the
+    same output gradient)."""
+
+    @staticmethod
+    def forward(ctx, out, group):
+        import torch.distributed as dist
+
+        if out.is_contiguous():
+            ctx.mark_dirty(out)  # our op's fresh output: summed in place
+        else:
+            out = out.contiguous()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# --- public API -----------------------------------------------------------------
+
+
+def _check_tensor(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    return t
+
+
+def _check_inputs(x, w_gate, w_up, w_down, token_mask):
+    x = _check_tensor(x, "x")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be (N, D) or (B, T, D), got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be one of {[str(d) for d in _DTYPES]}, got {x.dtype}")
+    d = x.shape[-1]
+    w_gate = _check_tensor(w_gate, "w_gate")
+    w_down = _check_tensor(w_down, "w_down")
+    named = [("w_gate", w_gate), ("w_down", w_down)]
+    if w_up is None:
+        if w_gate.dim() != 2 or w_gate.shape[0] % 2 or w_gate.shape[1] != d:
+            raise ValueError(
+                f"w_gate (packed [gate; up], w_up=None) must be (2A, D={d}), got shape {tuple(w_gate.shape)}"
+            )
+        a = w_gate.shape[0] // 2
+    else:
+        w_up = _check_tensor(w_up, "w_up")
+        named.append(("w_up", w_up))
+        if w_gate.dim() != 2 or w_gate.shape[1] != d:
+            raise ValueError(f"w_gate must be (A, D={d}), got shape {tuple(w_gate.shape)}")
+        a = w_gate.shape[0]
+        if w_up.shape != w_gate.shape:
+            raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    if w_down.shape != (d, a):
+        raise ValueError(f"w_down must be (D={d}, A={a}), got shape {tuple(w_down.shape)}")
+    for name, w in named:
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but x has {x.dtype}; all four must match")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+    if token_mask is not None:
+        token_mask = _check_tensor(token_mask, "token_mask")
+        if token_mask.dtype != torch.bool:
+            raise TypeError(f"token_mask must be a bool tensor, got {token_mask.dtype}")
+        if token_mask.shape != x.shape[:-1]:
+            raise ValueError(f"token_mask must have x's leading shape {tuple(x.shape[:-1])}, got {tuple(token_mask.shape)}")
+        if token_mask.device != x.device:
+            raise ValueError(f"token_mask is on {token_mask.device} but x is on {x.device}")
+    return a
+
+
+def added_expert(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    *,
+    token_mask: torch.Tensor | None = None,
+    recompute: bool = False,
+    process_group=None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """The added-expert block, fused forward and backward:
+    ``F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)`` with
+    the Hugging Face casts in low precision, differentiable w.r.t. x and all
+    weights.
+
+    x: (N, D) or (B, T, D); w_gate, w_up: (A, D); w_down: (D, A). w_up=None
+    means w_gate is the packed (2A, D) weight ``torch.cat([w_gate, w_up])``.
+    token_mask: bool, x's leading shape; False tokens get exactly zero output
+    and contribute no gradient (the block is an exact no-op on them).
+    recompute: save only x; the backward recomputes the pre-activations (one
+    more (N, D) x (D, 2A) product) instead of keeping them.
+    process_group: the A neurons are split over its ranks (this rank passes its
+    own rows of w_gate and w_up and its columns of w_down); the partial outputs
+    and the partial dx are summed over the ranks, weight gradients stay local.
+    impl: "auto" (on CPU the compiled kernel for fp32 with D < 1024, else the
+    torch composition; Triton on CUDA), "cpu" (the compiled fp32 kernel),
+    "torch" (the fused op composed from torch ops, any device), "triton", or
+    "reference" (the plain torch autograd oracle)."""
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+    _check_inputs(x, w_gate, w_up, w_down, token_mask)
+    impl = _resolve_impl(impl, x)
+    lead, d = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, d)
+    mask = None if token_mask is None else token_mask.reshape(-1)
+    if process_group is not None:
+        x2 = _CopyToRanks.apply(x2, process_group)
+    if impl == "reference":
+        out = added_expert_reference(x2, w_gate, w_up, w_down, mask)
+    else:
+        # Without autograd (serving) there is no backward to keep h for.
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w_gate, w_up, w_down))
+        out, _ = _forward_op(x2, w_gate, w_up, w_down, mask, grad and not recompute, impl)
+    if process_group is not None:
+        out = _SumOverRanks.apply(out, process_group)
+    return out.reshape(*lead, d)
+
+
+class AddedExpert(torch.nn.Module):
+    """A block of `n_neurons` SwiGLU neurons on `d_model`, weights kept packed:
+    ``w_gate_up`` (2A, D), gate rows first, and ``w_down`` (D, A). ``w_down``
+    starts at zero, so a fresh block adds nothing to the residual stream.
+    Under tensor parallelism, n_neurons is this rank's share."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_neurons: int,
+        *,
+        recompute: bool = False,
+        process_group=None,
+        impl: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.recompute, self.process_group, self.impl = recompute, process_group, impl
+        self.w_gate_up = torch.nn.Parameter(torch.empty(2 * n_neurons, d_model, **kw))
+        self.w_down = torch.nn.Parameter(torch.zeros(d_model, n_neurons, **kw))
+        torch.nn.init.kaiming_uniform_(self.w_gate_up, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return added_expert(
+            x, self.w_gate_up, None, self.w_down, token_mask=token_mask, recompute=self.recompute,
+            process_group=self.process_group, impl=self.impl,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        a, d = self.w_gate_up.shape[0] // 2, self.w_gate_up.shape[1]
+        return f"d_model={d}, n_neurons={a}, recompute={self.recompute}"

@@ -1,0 +1,483 @@
+"""Added expert: every path (the compiled fp32 CPU kernel, the torch
+composition, the Triton kernels under the interpreter) against the fp64
+oracle, with tolerances set by same-dtype torch's own error; the Hugging Face
+casts, the token mask, tensor parallelism over gloo, torch.compile, empty and
+bad input, saved activations.
+
+Tolerance (STYLE rule 3): for each of the five outputs (out, dx, dWg, dWu,
+dWd) and two metrics (norm-wise and max-abs error relative to the fp64
+truth's norm and max), err_ours <= K * err_torch + ATOL, where err_torch is the
+plain torch autograd oracle run in the same dtype on the same inputs. K = 3:
+the largest ratio measured over 8 seeds x 7 shapes x every path and mode was
+2.45 (D = A = 1, where one rounding decides the result); typical ratios are
+0.8-1.1. ATOL is two fp32 ulps or half a bf16 ulp, relative to the largest
+value: below it every path is exact to the dtype.
+"""
+
+import math
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import resident_trainer.ops.added_expert as ae
+from resident_trainer import _ext
+from resident_trainer.ops.added_expert import AddedExpert, added_expert, added_expert_reference
+
+K = 3.0
+ATOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-9}
+OUTPUTS = ("out", "dx", "dw_gate", "dw_up", "dw_down")
+
+# One row; odd D; A below one neuron tile (19 < 64) and just over one (70 = 64 + 6);
+# N over two 64-token blocks of the C++ kernel (130). Triton shapes stay small:
+# the interpreter runs every program in numpy.
+SHAPES = [(37, 45, 19), (1, 7, 3), (130, 200, 70)]
+TRITON_SHAPES = [(37, 45, 19), (1, 7, 3), (20, 33, 70)]
+CASES = [("cpu", torch.float32)] + [(impl, dt) for impl in ("torch", "triton") for dt in (torch.float32, torch.bfloat16)]
+
+
+def make(n, d, a, gen, lead=None):
+    """fp64 x, w_gate, w_up, w_down and an output gradient, scaled like a layer."""
+    shape = (n, d) if lead is None else (*lead, d)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    wg = torch.randn(a, d, generator=gen, dtype=torch.float64) / math.sqrt(d)
+    wu = torch.randn(a, d, generator=gen, dtype=torch.float64) / math.sqrt(d)
+    wd = torch.randn(d, a, generator=gen, dtype=torch.float64) / math.sqrt(max(a, 1))
+    dout = torch.randn(shape, generator=gen, dtype=torch.float64)
+    return [x, wg, wu, wd], dout
+
+
+def run(impl, inputs, dout, dtype=None, **kw):
+    """[out, dx, dWg, dWu, dWd] of one forward and backward."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in inputs]
+    out = added_expert(*leaves, impl=impl, **kw)
+    out.backward(dout.to(out.dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def errors(got, truth):
+    diff = got.double() - truth
+    scale_n, scale_m = truth.norm(), truth.abs().max() if truth.numel() else truth.new_zeros(())
+    if scale_n == 0:
+        return diff.norm().item(), diff.abs().max().item() if diff.numel() else 0.0
+    return (diff.norm() / scale_n).item(), (diff.abs().max() / scale_m).item()
+
+
+def assert_close(ours, same_dtype_torch, truth, dtype):
+    for name, o, t, tr in zip(OUTPUTS, ours, same_dtype_torch, truth):
+        assert o.shape == tr.shape and o.dtype == t.dtype, (name, o.shape, tr.shape, o.dtype)
+        for metric, eo, et in zip(("norm", "max"), errors(o, tr), errors(t, tr)):
+            # NaN fails: the comparison is False.
+            assert eo <= K * et + ATOL[dtype], f"{name}: {metric} error {eo:.3e} vs same-dtype torch {et:.3e}"
+
+
+def check_against_oracle(impl, dtype, n, d, a, gen, **kw):
+    inputs, dout = make(n, d, a, gen)
+    truth = run("reference", inputs, dout, **{k: v for k, v in kw.items() if k != "recompute"})
+    same = run("reference", inputs, dout, dtype, **{k: v for k, v in kw.items() if k != "recompute"})
+    ours = run(impl, inputs, dout, dtype, **kw)
+    assert_close(ours, same, truth, dtype)
+    return ours
+
+
+# --- every path against the oracle ----------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("impl,dtype", CASES, ids=[f"{i}-{str(d)[6:]}" for i, d in CASES])
+def test_matches_oracle(impl, dtype, recompute, gen):
+    for n, d, a in TRITON_SHAPES if impl == "triton" else SHAPES:
+        check_against_oracle(impl, dtype, n, d, a, gen, recompute=recompute)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_many_tiles(dtype, recompute, gen):
+    # 16x16 tiles over (37 tokens, 40 neurons, D=45): 3x3 tiles, every one
+    # with a tail, and three K steps, the last one partial.
+    from resident_trainer.triton_kernels.added_expert import (
+        TileConfig,
+        added_expert_backward_triton,
+        added_expert_forward_triton,
+    )
+
+    cfg = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
+    inputs, dout = make(37, 45, 40, gen)
+    truth = run("reference", inputs, dout)
+    same = run("reference", inputs, dout, dtype)
+    x, wg, wu, wd = (t.to(dtype) for t in inputs)
+    for w_gate, w_up in ((wg, wu), (torch.cat([wg, wu]), None)):  # separate and packed
+        out, h = added_expert_forward_triton(x, w_gate, w_up, wd, None, not recompute, config=cfg)
+        dx, dwgu, dwd = added_expert_backward_triton(
+            dout.to(dtype), x, w_gate, w_up, wd, None if recompute else h, None, True, True, True, config=cfg
+        )
+        assert_close([out, dx, *dwgu.chunk(2), dwd], same, truth, dtype)
+
+
+def test_cpu_kernel_larger_block_grid(gen):
+    # Several 64-token blocks and neuron tiles plus K steps of the weight
+    # gradients (N = 1100 > 2 x 512), in one fp32 case.
+    check_against_oracle("cpu", torch.float32, 1100, 96, 150, gen)
+
+
+def test_fp64_gradcheck(gen):
+    # The hand-written backward against finite differences, through the torch
+    # composition (the only path with fp64), both modes, with a mask.
+    inputs, _ = make(6, 5, 4, gen)
+    mask = torch.tensor([True, False, True, True, False, True])
+    for recompute in (False, True):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        fn = lambda *t: added_expert(*t, impl="torch", recompute=recompute, token_mask=mask)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, leaves)
+
+
+def test_a_wrong_output_fails_the_check(gen):
+    # The comparison sees every output: corrupt one at a time, three ways
+    # (one element off by 10% of the largest value; every row's gradient
+    # summed into row 0; one NaN), and it must fail naming that output.
+    inputs, dout = make(37, 45, 19, gen)
+    dtype = torch.bfloat16  # the widest tolerance
+    truth = run("reference", inputs, dout)
+    same = run("reference", inputs, dout, dtype)
+    ours = run("torch", inputs, dout, dtype)
+    assert_close(ours, same, truth, dtype)
+
+    def bump(t):
+        t = t.clone()
+        t.view(-1)[t.numel() // 2] += 0.1 * t.abs().max()
+        return t
+
+    def to_row0(t):
+        return torch.cat([t.sum(0, keepdim=True), torch.zeros_like(t[1:])])
+
+    def nan(t):
+        t = t.clone()
+        t.view(-1)[-1] = float("nan")
+        return t
+
+    for i, name in enumerate(OUTPUTS):
+        for corrupt in (bump, to_row0, nan):
+            bad = list(ours)
+            bad[i] = corrupt(bad[i])
+            with pytest.raises(AssertionError, match=name):
+                assert_close(bad, same, truth, dtype)
+
+
+# --- layouts --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+def test_packed_weight_and_batched_input(impl, gen):
+    (x, wg, wu, wd), dout = make(2 * 9, 11, 13, gen)
+    x, wg, wu, wd, dout = (t.float() for t in (x, wg, wu, wd, dout))
+    sep = run(impl, [x, wg, wu, wd], dout)
+    wgu = torch.cat([wg, wu]).requires_grad_()
+    xb = x.reshape(2, 9, 11).requires_grad_()
+    wd_ = wd.clone().requires_grad_()
+    out = added_expert(xb, wgu, None, wd_, impl=impl)
+    out.backward(dout.reshape(2, 9, 11))
+    assert out.shape == (2, 9, 11)
+    # The same op underneath: packed gradients are the separate ones, stacked.
+    assert torch.equal(out.reshape(18, 11), sep[0])
+    assert torch.equal(xb.grad.reshape(18, 11), sep[1])
+    assert torch.equal(wgu.grad, torch.cat([sep[2], sep[3]]))
+    assert torch.equal(wd_.grad, sep[4])
+
+
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+def test_noncontiguous_x_and_incoming_gradients(impl, gen):
+    n, d, a = 21, 10, 12
+    inputs, _ = make(n, d, a, gen)
+    inputs = [t.float() for t in inputs]
+    x = inputs[0]
+    xs = {
+        "transposed": x.t().contiguous().t(),
+        "strided": torch.stack([x, -x], -1)[..., 0],
+        "offset": torch.cat([x[:1], x])[1:],
+    }
+    base = torch.randn(n, d, generator=gen)
+    grads = {
+        "transposed": base.t().contiguous().t(),
+        "expanded": base[:1].expand(n, d),  # what out.sum(0)-style losses give
+        "strided": torch.stack([base, -base], -1)[..., 0],
+    }
+    assert not xs["transposed"].is_contiguous() and not xs["strided"].is_contiguous()
+    for xv in xs.values():
+        assert torch.equal(xv, x)
+        for g in grads.values():
+            leaves = [xv.detach().requires_grad_()] + [t.clone().requires_grad_() for t in inputs[1:]]
+            out = added_expert(*leaves, impl=impl)
+            out.backward(g)
+            truth = run("reference", inputs, g.double())
+            same = run("reference", inputs, g.contiguous())
+            assert_close([out.detach()] + [t.grad for t in leaves], same, truth, torch.float32)
+
+
+# --- the token mask -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+def test_mask_is_an_exact_noop_on_masked_tokens(impl, recompute, gen):
+    n, d, a = 70, 24, 19  # two 64-token blocks: the mask crosses a block edge
+    inputs, dout = make(n, d, a, gen)
+    mask = torch.rand(n, generator=gen) < 0.6
+    mask[0], mask[-1] = False, True
+    ours = run(impl, inputs, dout, torch.float32, token_mask=mask, recompute=recompute)
+    # Masked tokens: exactly zero output and exactly zero input gradient.
+    assert torch.equal(ours[0][~mask], torch.zeros_like(ours[0][~mask]))
+    assert torch.equal(ours[1][~mask], torch.zeros_like(ours[1][~mask]))
+    # Kept tokens and weight gradients: as if the masked tokens were absent.
+    kept = [inputs[0][mask]] + inputs[1:]
+    truth = run("reference", kept, dout[mask])
+    same = run("reference", kept, dout[mask], torch.float32)
+    assert_close([ours[0][mask], ours[1][mask], *ours[2:]], same, truth, torch.float32)
+    # No token kept: zero output, zero gradients, exactly.
+    none = run(impl, inputs, dout, torch.float32, token_mask=torch.zeros(n, dtype=torch.bool), recompute=recompute)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in none)
+
+
+def test_mask_matches_oracle_in_bf16(gen):
+    mask = torch.rand(37, generator=gen) < 0.5
+    for impl in ("torch", "triton"):
+        check_against_oracle(impl, torch.bfloat16, 37, 45, 19, gen, token_mask=mask)
+
+
+# --- casts: the Hugging Face SwiGLU MLP, bit for bit ----------------------------
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_low_precision_casts_match_hugging_face(impl, gen):
+    # With identity gate/up/down weights every product is exact, so the
+    # output is the elementwise part alone: act_fn(gate) * up in bf16, with
+    # silu(gate) rounded before the multiply. Compared with the Hugging Face
+    # LlamaMLP module itself.
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    a = 64
+    x = torch.randn(50, a, generator=gen).bfloat16()
+    mlp = LlamaMLP(LlamaConfig(hidden_size=a, intermediate_size=a, hidden_act="silu")).bfloat16()
+    eye = torch.eye(a, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            lin.weight.copy_(eye)
+        want = mlp(x)
+    got = added_expert(x, eye, eye, eye, impl=impl)
+    assert torch.equal(got, want)
+    # The check can fail: fusing silu * up in fp32 rounds differently.
+    fused_fp32 = (F.silu(x.float()) * x.float()).bfloat16()
+    assert not torch.equal(fused_fp32, want)
+
+
+# --- gradients asked for, empty batches, bad input ------------------------------
+
+
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+def test_only_the_gradients_asked_for(impl, gen):
+    (x, wg, wu, wd), dout = make(9, 8, 5, gen)
+    x, wg, wu, wd, dout = (t.float() for t in (x, wg, wu, wd, dout))
+    full = run(impl, [x, wg, wu, wd], dout)
+    # The trainer's case: x is the frozen model's hidden state.
+    w = [t.clone().requires_grad_() for t in (wg, wu, wd)]
+    added_expert(x, *w, impl=impl).backward(dout)
+    assert all(torch.equal(t.grad, f) for t, f in zip(w, full[2:]))
+    xx = x.clone().requires_grad_()
+    added_expert(xx, wg, wu, wd, impl=impl).backward(dout)
+    assert torch.equal(xx.grad, full[1])
+
+
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton", "reference"])
+@pytest.mark.parametrize("lead", [(0,), (2, 0)], ids=["N=0", "B=2,T=0"])
+def test_empty_batch(impl, lead, gen):
+    inputs, dout = make(0, 6, 4, gen, lead=lead)
+    inputs = [t.float() for t in inputs]
+    out, dx, dwg, dwu, dwd = run(impl, inputs, dout.float(), token_mask=torch.ones(lead, dtype=torch.bool))
+    assert out.shape == (*lead, 6) and dx.shape == (*lead, 6)
+    for g, w in zip((dwg, dwu, dwd), inputs[1:]):
+        assert g.shape == w.shape and torch.equal(g, torch.zeros_like(w))
+
+
+def test_bad_input_names_the_argument():
+    x, wg, wu, wd = torch.zeros(4, 6), torch.zeros(3, 6), torch.zeros(3, 6), torch.zeros(6, 3)
+    cases = [
+        ((torch.zeros(6), wg, wu, wd), {}, ValueError, r"x must be \(N, D\) or \(B, T, D\)"),
+        ((x.long(), wg, wu, wd), {}, TypeError, "x must be one of"),
+        (([1.0], wg, wu, wd), {}, TypeError, "x must be a torch.Tensor"),
+        ((x, torch.zeros(3, 5), wu, wd), {}, ValueError, r"w_gate must be \(A, D=6\)"),
+        ((x, wg, torch.zeros(2, 6), wd), {}, ValueError, "w_up must have w_gate's shape"),
+        ((x, wg, wu, torch.zeros(3, 6)), {}, ValueError, r"w_down must be \(D=6, A=3\)"),
+        ((x, torch.zeros(5, 6), None, wd), {}, ValueError, r"w_gate \(packed \[gate; up\], w_up=None\) must be \(2A, D=6\)"),
+        ((x, wg, wu.bfloat16(), wd), {}, TypeError, "w_up has dtype torch.bfloat16 but x has torch.float32"),
+        ((x, wg, wu, wd.double()), {}, TypeError, "w_down has dtype torch.float64"),
+        ((x, wg, wu, wd.to("meta")), {}, ValueError, "w_down is on meta but x is on cpu"),
+        ((x, wg, wu, wd), {"token_mask": torch.ones(4)}, TypeError, "token_mask must be a bool tensor"),
+        ((x, wg, wu, wd), {"token_mask": torch.ones(5, dtype=torch.bool)}, ValueError, "token_mask must have x's leading shape"),
+        ((x, wg, wu, wd), {"impl": "fast"}, ValueError, "impl must be one of"),
+        ((x.bfloat16(), wg.bfloat16(), wu.bfloat16(), wd.bfloat16()), {"impl": "cpu"}, TypeError, "impl='cpu'.*float32"),
+        ((x, wg, wu, wd), {"recompute": 1}, TypeError, "recompute must be a bool"),
+    ]
+    for args, kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            added_expert(*args, **kw)
+
+
+# --- memory: what the backward keeps --------------------------------------------
+
+
+def saved_bytes(fn, inputs):
+    """Bytes of the tensors autograd saves that are not the op's inputs."""
+    seen = {}
+    own = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+def test_saves_the_two_preactivations_or_nothing(impl, gen):
+    n, d, a = 40, 16, 12
+    inputs, _ = make(n, d, a, gen)
+    x, wg, wu, wd = (t.float().requires_grad_() for t in inputs)
+    wgu = torch.cat([wg, wu]).detach().requires_grad_()
+    ref = saved_bytes(lambda *t: added_expert(*t, impl="reference"), (x, wg, wu, wd))
+    assert ref == 4 * n * a * 4  # gate, up, silu(gate), the product
+    # Separate or packed weights: the op saves its inputs as they are (no
+    # packed copy) and h = [gate | up]; recomputing, nothing at all.
+    for leaves in ((x, wg, wu, wd), (x, wgu, None, wd)):
+        tensors = tuple(t for t in leaves if t is not None)
+        saved = saved_bytes(lambda *t: added_expert(*leaves, impl=impl), tensors)
+        assert saved == 2 * n * a * 4
+        none = saved_bytes(lambda *t: added_expert(*leaves, impl=impl, recompute=True), tensors)
+        assert none == 0
+
+
+# --- the C++ kernel: thread count, module ----------------------------------------
+
+
+def test_cpu_kernel_is_the_same_for_any_thread_count(gen):
+    # Work is cut by blocks, never by thread: 1, 2 or 3 threads, same bits.
+    inputs, dout = make(200, 40, 70, gen)
+    inputs = [t.float() for t in inputs]
+    saved = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(run("cpu", inputs, dout.float()))
+    finally:
+        torch.set_num_threads(saved)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_auto_picks_the_compiled_kernel_for_narrow_fp32_on_cpu():
+    assert _ext.has_kernel("added_expert_fused_forward", "CPU")
+    assert ae._resolve_impl("auto", torch.zeros(2, 576)) == "cpu"
+    assert ae._resolve_impl("auto", torch.zeros(2, 4096)) == "torch"
+    assert ae._resolve_impl("auto", torch.zeros(2, 576, dtype=torch.bfloat16)) == "torch"
+
+
+def test_module_starts_as_a_noop_and_trains(gen):
+    torch.manual_seed(0)
+    m = AddedExpert(16, 8)
+    assert m.w_gate_up.shape == (16, 16) and m.w_down.shape == (16, 8)
+    x = torch.randn(5, 16, generator=gen)
+    out = m(x)
+    assert torch.equal(out, torch.zeros_like(out))
+    F.mse_loss(out, torch.ones(5, 16)).backward()
+    # Wd = 0: only the down projection gets a gradient on the first step.
+    assert m.w_down.grad.abs().sum() > 0
+    assert torch.equal(m.w_gate_up.grad, torch.zeros_like(m.w_gate_up))
+    assert "n_neurons=8" in repr(m)
+
+
+# --- torch.compile ----------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph(gen):
+    inputs, dout = make(24, 16, 12, gen)
+    inputs, dout = [t.float() for t in inputs], dout.float()
+    mask = torch.rand(24, generator=gen) < 0.7
+
+    def f(x, wg, wu, wd):
+        return added_expert(x, wg, wu, wd, token_mask=mask).sin()
+
+    want = [t.clone().requires_grad_() for t in inputs]
+    f(*want).backward(dout)
+    got = [t.clone().requires_grad_() for t in inputs]
+    out = torch.compile(f, fullgraph=True)(*got)
+    out.backward(dout)
+    assert torch.allclose(out, f(*inputs), rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, want):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+# --- tensor parallelism: neurons split over 2 gloo ranks --------------------------
+
+
+def _tp_worker(rank, world, port, inputs, dout, mask, impl, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x, wg, wu, wd = inputs
+        a = wg.shape[0]
+        cut = [0, (a + 1) // 2, a][rank : rank + 2]  # 10 and 9 of 19 neurons
+        shard = [x, wg[cut[0] : cut[1]], wu[cut[0] : cut[1]], wd[:, cut[0] : cut[1]]]
+        leaves = [t.clone().requires_grad_() for t in shard]
+        out = added_expert(*leaves, token_mask=mask, process_group=dist.group.WORLD, impl=impl)
+        out.backward(dout)
+        results[rank] = [out.detach()] + [t.grad for t in leaves] + [torch.tensor(cut)]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_tensor_parallel_over_two_gloo_ranks(impl, gen):
+    import torch.multiprocessing as mp
+
+    inputs, dout = make(30, 12, 19, gen)
+    mask = torch.rand(30, generator=gen) < 0.8
+    truth = run("reference", inputs, dout, token_mask=mask)
+    same = run("reference", inputs, dout, torch.float32, token_mask=mask)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    f32 = [t.float() for t in inputs]
+    mp.spawn(_tp_worker, args=(2, port, f32, dout.float(), mask, impl, results), nprocs=2, join=True)
+    got = dict(results)
+    for rank in (0, 1):
+        out, dx, dwg, dwu, dwd, cut = got[rank]
+        lo, hi = cut.tolist()
+        # The whole output and dx on every rank; each rank's own weight rows.
+        ours = [out, dx, dwg, dwu, dwd]
+        want = [truth[0], truth[1], truth[2][lo:hi], truth[3][lo:hi], truth[4][:, lo:hi]]
+        ref = [same[0], same[1], same[2][lo:hi], same[3][lo:hi], same[4][:, lo:hi]]
+        assert_close(ours, ref, want, torch.float32)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+# --- GPU ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_on_gpu(dtype, recompute, gen):
+    for n, d, a in [(1, 64, 64), (513, 576, 256), (2048, 4096, 1024), (37, 45, 19)]:
+        inputs, dout = make(n, d, a, gen)
+        mask = torch.rand(n, generator=gen) < 0.9
+        truth = run("reference", [t.cuda() for t in inputs], dout.cuda(), token_mask=mask.cuda())
+        same = run("reference", [t.cuda() for t in inputs], dout.cuda(), dtype, token_mask=mask.cuda())
+        ours = run("triton", [t.cuda() for t in inputs], dout.cuda(), dtype, token_mask=mask.cuda(), recompute=recompute)
+        assert_close(ours, same, truth, dtype)

@@ -472,7 +472,7 @@ class Trainer:
         def extra():
             nonlocal penalty_value
             p = self._anchor_penalty(index)
-            penalty_value = float(p) if p is not None else 0.0
+            penalty_value = float(p.detach()) if p is not None else 0.0
             return p if p is not None else torch.zeros((), device=self.adapter.device)
 
         with self.block.training_weights():
@@ -605,11 +605,16 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -1,0 +1,153 @@
+"""The trainer on toy models: it learns, publishes only at a job's end, never
+changes the base, aborts on NaN keeping the last good weights, checkpoints
+atomically and resumes to the same next loss, and gates itself off on anchors."""
+
+import os
+
+import pytest
+import torch
+
+from resident_trainer.fit import (
+    AddedSharedNeurons,
+    Fact,
+    TrainConfig,
+    Trainer,
+    TrainingAborted,
+    generate_greedy,
+    load_checkpoint,
+    rewordings,
+    save_checkpoint,
+)
+from resident_trainer.models import DecoderAdapter
+from resident_trainer.models.toy import ByteTokenizer, toy_model
+from resident_trainer.ops.fingerprint import fingerprint_tensors
+
+FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
+ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, three."), ("Sky color?", "Blue.")]
+
+
+def setup(arch="llama", anchors=(), seed=0, **cfg):
+    model = toy_model(arch, layers=4, hidden=32, seed=seed)
+    a = DecoderAdapter(model)
+    config = TrainConfig(**{"layer": 1, "neurons": 32, "steps": 40, "lr": 3e-2, "batch_size": 4, "rewordings": 2, **cfg})
+    block = AddedSharedNeurons(a.hidden_size, config.neurons, seed=config.seed)
+    block.attach(a, config.layer)
+    return model, a, block, Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=anchors)
+
+
+def logits(model, text="Capital of Zorb?"):
+    ids = torch.tensor([ByteTokenizer()(text)["input_ids"]])
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_trainer_learns_publishes_at_the_end_and_keeps_the_base():
+    model, a, block, tr = setup()
+    base = fingerprint_tensors(a.frozen_tensors())
+    before = logits(model)
+    for i in range(5):  # mid-job: serving still sees the published (zero) block
+        tr.step(i)
+    assert torch.equal(logits(model), before)
+    tr.run(35)
+    losses = [m.loss for m in tr.history]
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert not torch.equal(logits(model), before)  # published
+    assert fingerprint_tensors(a.frozen_tensors()) == base
+    assert torch.equal(block.published_down, block.w_down)
+
+
+def test_nan_loss_aborts_and_keeps_the_last_good_weights():
+    model, a, block, tr = setup(steps=5)
+    tr.run()
+    good = [t.clone() for t in (block.published_gate_up, block.published_down)]
+    served = logits(model)
+    with torch.no_grad():
+        block.w_gate_up[3, 5] = float("nan")
+    with pytest.raises(TrainingAborted, match="step 5: loss nan"):
+        tr.run(3)
+    assert torch.equal(block.published_gate_up, good[0]) and torch.equal(block.published_down, good[1])
+    assert torch.equal(block.w_gate_up, good[0]) and torch.equal(block.w_down, good[1])  # reverted
+    assert torch.equal(logits(model), served)
+    tr.run(2)  # and it can train again
+    assert torch.isfinite(torch.tensor([m.loss for m in tr.history[-2:]])).all()
+
+
+def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
+    _, _, _, tr = setup()
+    for i in range(6):
+        tr.step(i)
+    path = tmp_path / "rank0.safetensors"
+    save_checkpoint(tr, path)
+    want = tr.step()["loss"]
+    want_w = tr.block.w_down.clone()
+    _, _, block2, tr2 = setup()
+    assert tr2.step_index == 0
+    load_checkpoint(tr2, path)
+    assert tr2.step_index == 6
+    got = tr2.step()["loss"]
+    assert got == want
+    assert torch.equal(block2.w_down, want_w)
+
+
+def test_checkpoint_refuses_another_base_and_writes_atomically(tmp_path, monkeypatch):
+    _, _, _, tr = setup()
+    tr.step(0)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(tr, path)
+    good = path.read_bytes()
+    _, _, _, other = setup(seed=1)  # another base model
+    with pytest.raises(ValueError, match="trained on a base model with fingerprint"):
+        load_checkpoint(other, path)
+    tr.step(1)
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tr, path)
+    assert path.read_bytes() == good  # the last good checkpoint is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.safetensors"]  # no temporary left
+
+
+def test_gate_makes_the_block_an_exact_no_op_on_anchors():
+    model, a, block, tr = setup(anchors=ANCHORS, anchor_weight=1.0, gate=True)
+    tr.run(40)
+    assert block.published_threshold is not None
+    for x in tr.anchor_inputs:
+        assert (block.block(x, published=True) == 0).all()
+    fact_x = tr._anchor_inputs([(FACTS[0].question, FACTS[0].answer)])[0]
+    assert (block.block(fact_x, published=True).abs().sum(-1) > 0).any()
+    # serving an anchor exchange is bit-identical to the base model
+    ids = torch.tensor([ByteTokenizer()("\x01" + ANCHORS[0][0] + "\x02\x03" + ANCHORS[0][1])["input_ids"]])
+    with torch.no_grad():
+        served = model(ids).logits
+        block.published_threshold = None  # as if there were no block at all:
+        block.published_down.zero_()
+        assert torch.equal(model(ids).logits, served)
+
+
+def test_generation_serves_the_published_block():
+    model, a, block, tr = setup(steps=60)
+    tok = ByteTokenizer()
+    before = generate_greedy(model, tok, FACTS[0].question, max_new_tokens=6)
+    tr.run()
+    after = generate_greedy(model, tok, FACTS[0].question, max_new_tokens=6)
+    assert after.startswith("Quen.") and after != before
+
+
+def test_config_and_data_errors():
+    with pytest.raises(ValueError, match="neurons must be a positive int"):
+        TrainConfig(neurons=0)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        TrainConfig(lr=0.0)
+    model = toy_model("llama")
+    a = DecoderAdapter(model)
+    block = AddedSharedNeurons(a.hidden_size, 8)
+    with pytest.raises(ValueError, match="facts must not be empty"):
+        Trainer(a, block, ByteTokenizer(), [], TrainConfig(layer=1))
+    with pytest.raises(ValueError, match="layer must be in \\[0, 4\\)"):
+        Trainer(a, block, ByteTokenizer(), FACTS, TrainConfig(layer=9))
+    with pytest.raises(ValueError, match="hidden_size=16 does not match the model's 32"):
+        AddedSharedNeurons(16, 8).attach(a, 0)
+    assert rewordings("What is X?", 3) == ["What is X?", "Quick question: What is X?", "What is X? Please answer briefly."]

@@ -15,15 +15,14 @@ model gives the same greedy answer.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from resident_trainer._spawn import gloo_worker
 from resident_trainer.fit import AddedSharedNeurons, Fact, TrainConfig, Trainer, generate_greedy
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import TOY_ARCHS, ByteTokenizer, toy_model
@@ -62,17 +61,11 @@ def train(args, rank: int = 0, world: int = 1, group=None) -> dict:
 
 
 def _worker(rank, world, store, args, out_dir):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
-    try:
+    with gloo_worker(rank, world, f"file://{store}") as group:
         torch.set_num_threads(1)  # two processes share the machine's cores
-        result = train(args, rank, world, dist.group.WORLD)
+        result = train(args, rank, world, group)
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:

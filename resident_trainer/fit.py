@@ -340,6 +340,7 @@ class TrainConfig:
     batch_size: int = 8
     rewordings: int = 4  # template framings per fact in training (1: the question alone)
     anchor_weight: float = 1.0  # penalty on the block's output norm over anchor tokens
+    anchor_gate_weight: float = 0.0  # penalty on positive gate pre-activations over anchor tokens
     anchor_batch: int = 8  # anchors per step
     gate: bool = True  # calibrate the exact no-op gate after training
     gate_margin: float = 0.05  # threshold = max anchor score + margin * |max|
@@ -354,7 +355,7 @@ class TrainConfig:
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("weight_decay", "anchor_weight", "gate_margin"):
+        for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -369,6 +370,21 @@ class StepMetrics:
     loss: float
     anchor_penalty: float
     grad_norm: float
+
+
+class _SumOverRanksGrad(torch.autograd.Function):
+    """Sum a per-rank partial value over the ranks; each rank's gradient is its
+    own share's (the sum's gradient w.r.t. each term is one)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def clip_grad_norm_(params: Sequence[Tensor], max_norm: float, process_group=None) -> float:
@@ -443,14 +459,28 @@ class Trainer:
         return out
 
     def _anchor_penalty(self, index: int) -> Tensor | None:
-        if not self.anchor_inputs or self.config.anchor_weight == 0:
+        """anchor_weight x mean squared norm of the block's output on anchor
+        tokens, plus anchor_gate_weight x mean over anchor tokens of the summed
+        squared positive gate pre-activations: the first keeps the block quiet
+        on them, the second pushes them below the gate's threshold."""
+        cfg = self.config
+        if not self.anchor_inputs or (cfg.anchor_weight == 0 and cfg.anchor_gate_weight == 0):
             return None
-        k = self.config.anchor_batch
+        k = cfg.anchor_batch
         n = len(self.anchor_inputs)
         pick = [self.anchor_inputs[(index * k + j) % n] for j in range(min(k, n))]
         x = torch.cat(pick)
-        out = self.block.block(x, published=False)
-        return self.config.anchor_weight * out.float().square().sum(-1).mean()
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        if cfg.anchor_weight:
+            out = self.block.block(x, published=False)
+            total = total + cfg.anchor_weight * out.float().square().sum(-1).mean()
+        if cfg.anchor_gate_weight:
+            gate = x @ self.block.w_gate_up[: self.block.local_neurons].T
+            hinge = torch.relu(gate.float()).square().sum(-1)
+            if self.block.process_group is not None:
+                hinge = _SumOverRanksGrad.apply(hinge, self.block.process_group)
+            total = total + cfg.anchor_gate_weight * hinge.mean()
+        return total
 
     # --- one microbatch ------------------------------------------------------
 

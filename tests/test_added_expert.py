@@ -425,20 +425,17 @@ def test_torch_compile_fullgraph(gen):
 
 
 def _tp_worker(rank, world, port, inputs, dout, mask, impl, results):
-    import torch.distributed as dist
+    from resident_trainer._spawn import gloo_worker
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, f"tcp://127.0.0.1:{port}") as group:
         x, wg, wu, wd = inputs
         a = wg.shape[0]
         cut = [0, (a + 1) // 2, a][rank : rank + 2]  # 10 and 9 of 19 neurons
         shard = [x, wg[cut[0] : cut[1]], wu[cut[0] : cut[1]], wd[:, cut[0] : cut[1]]]
         leaves = [t.clone().requires_grad_() for t in shard]
-        out = added_expert(*leaves, token_mask=mask, process_group=dist.group.WORLD, impl=impl)
+        out = added_expert(*leaves, token_mask=mask, process_group=group, impl=impl)
         out.backward(dout)
         results[rank] = [out.detach()] + [t.grad for t in leaves] + [torch.tensor(cut)]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])

@@ -2,7 +2,6 @@
 itself matches a word-by-word pure-Python statement of the spec; invariance to
 tiling, threads, contiguity and offset; sensitivity to every bit; shards."""
 
-import datetime
 import math
 import os
 import re
@@ -330,19 +329,11 @@ def test_import_without_extension_and_error_says_how_to_build():
 
 
 def _sharded_worker(rank, world, store_path, shards, shape, dtype, results):
-    import torch.distributed as dist
+    from resident_trainer._spawn import gloo_worker
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
-    try:
+    with gloo_worker(rank, world, f"file://{store_path}"):
         shard, offset = shards[rank]
         results[rank] = rt.fingerprint_sharded(shard, offset=offset, shape=shape)
-    finally:
-        # Rank 0 hosts the rendezvous store: leaving before the others are
-        # done tears it down under them (a C++ abort at exit).
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def test_fingerprint_sharded_over_gloo(gen, tmp_path):

@@ -2,7 +2,6 @@
 loss, lse, dh, dW, dbias), with tolerances measured against torch's own error in
 the same dtype: err_ours <= K * err_torch + ATOL * scale."""
 
-import datetime
 
 import pytest
 import torch
@@ -387,13 +386,10 @@ def test_torch_compile_inductor_fullgraph(gen):
 def _tp_worker(rank, world, store_path, sizes):
     import os
 
-    import torch.distributed as dist
+    from resident_trainer._spawn import gloo_worker
 
     os.environ["TRITON_INTERPRET"] = "1"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
-    try:
+    with gloo_worker(rank, world, f"file://{store_path}") as group:
         lce.CPU_TILE_V, lce.CPU_BLOCK_N, lce.CPU_CHUNK_BYTES = 32, 8, 4 * 64 * 8
         tk.BLOCKS.update(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16)
         gen = torch.Generator().manual_seed(99)
@@ -412,7 +408,7 @@ def _tp_worker(rank, world, store_path, sizes):
                 truth = run(oracle(torch.float64), h.double(), w.double(), b.double(), y, **kw)
 
                 def mine(hh, ww, yy, **k):
-                    return linear_cross_entropy(hh, ww, yy, process_group=dist.group.WORLD, vocab_start=start, impl=impl, **k)
+                    return linear_cross_entropy(hh, ww, yy, process_group=group, vocab_start=start, impl=impl, **k)
 
                 got = run(mine, h, w[start:stop], b[start:stop], y, **kw)
                 what = f"rank {rank}/{world} {impl} {kw.get('reduction')}"
@@ -424,16 +420,11 @@ def _tp_worker(rank, world, store_path, sizes):
                     assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{what} {key}: {err}"
         # shards that do not tile the vocabulary are refused on every rank
         try:
-            linear_cross_entropy(h, w[start:stop], y, process_group=dist.group.WORLD, vocab_start=start + (rank == world - 1))
+            linear_cross_entropy(h, w[start:stop], y, process_group=group, vocab_start=start + (rank == world - 1))
         except ValueError as exc:
             assert "vocab_start: rank" in str(exc)
         else:
             raise AssertionError("overlapping shards were accepted")
-    finally:
-        # Rank 0 hosts the rendezvous store: leaving before the others are
-        # done tears it down under them (a C++ abort at exit).
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("sizes", [(60, 41), (30, 37, 34)], ids=["2 ranks", "3 ranks"])

@@ -466,4 +466,6 @@ class ProcessGroupControl:
 
 
 if __name__ == "__main__":
-    sys.exit(rank_main())
+    from resident_trainer._spawn import exit_now
+
+    exit_now(rank_main())  # skip interpreter teardown: gloo can abort in it

@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine with Python 3.11 and make:
 #   make test   create .venv, install torch (CPU build if none), build, run the tests
-#   make demo   fingerprint a real model's weights and benchmark it
+#   make demo   fingerprint a real model's weights, then teach it four facts
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -35,6 +35,7 @@ test: build
 
 demo: build
 	$(PY) -m resident_trainer.cli demo
+	$(PY) -m resident_trainer.cli teach
 
 $(VENV)/.bench: $(VENV)/.deps requirements-bench.txt
 	$(PIP) install --no-deps -r requirements-bench.txt

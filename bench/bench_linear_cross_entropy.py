@@ -23,8 +23,6 @@ torch.cuda.max_memory_allocated the same way.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -35,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import resident_trainer as rt
+from _memory import peak_bytes_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -109,13 +108,6 @@ def step(fn, h, w, y):
         torch.cuda.synchronize()
 
 
-def _rss_kib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure_peak_extra_mib(provider, mode, n, d, v):
     """Peak memory of one fwd+bwd step above its inputs, minus the returned
     gradients, in MiB (run this in a fresh process)."""
@@ -123,23 +115,8 @@ def measure_peak_extra_mib(provider, mode, n, d, v):
     h, w, y = make_inputs(n, d, v, mode)
     step(fn, h, w, y)  # warm-up: compilation, allocator pools
     h.grad = w.grad = None
-    gc.collect()
     returned = h.numel() * h.element_size() + (w.numel() * w.element_size() if mode == "dW" else 0)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(fn, h, w, y)
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        # Give freed heap pages back so that the high-water mark sees the step.
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        base = _rss_kib("VmRSS") * 1024
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        step(fn, h, w, y)
-        peak = _rss_kib("VmHWM") * 1024 - base
+    peak = peak_bytes_of(lambda: step(fn, h, w, y), DEVICE)
     return max(peak - returned, 0) / 2**20
 
 

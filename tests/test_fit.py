@@ -127,6 +127,42 @@ def test_gate_makes_the_block_an_exact_no_op_on_anchors():
         assert torch.equal(model(ids).logits, served)
 
 
+def test_anchor_penalty_is_the_documented_sum():
+    model, a, block, tr = setup(anchors=ANCHORS, anchor_weight=0.7, anchor_gate_weight=0.3, anchor_batch=2)
+    with torch.no_grad():
+        block.w_down.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+    block.threshold = -1e9  # the output term ignores the gate
+    x = torch.cat(tr.anchor_inputs[2:3] + tr.anchor_inputs[0:1])  # step 1, anchor batch 2: anchors 2, 0
+    wg, wu = block.w_gate_up.detach().split(block.local_neurons)
+    out = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ block.w_down.detach().T
+    want = 0.7 * out.square().sum(-1).mean() + 0.3 * torch.relu((x @ wg.T).amax(-1)).square().mean()
+    got = tr._anchor_penalty(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    got.backward()
+    assert block.w_gate_up.grad.abs().sum() > 0
+
+
+def test_gated_training_recalibrates_the_gate_before_each_step():
+    model, a, block, tr = setup(anchors=ANCHORS, gated_from=3, steps=6)
+    thresholds = []
+    for i in range(6):
+        tops = [float(block.gate_scores(x).max()) for x in tr.anchor_inputs]
+        tr.step(i)
+        thresholds.append((block.threshold, max(tops)))
+    assert all(t is None for t, _ in thresholds[:3])
+    for t, top in thresholds[3:]:
+        assert t == top + tr.config.gate_margin * abs(top)
+    # Masked tokens take no gradient: with every token below the gate the
+    # facts' loss gives the block nothing (only the anchor output penalty would).
+    model, a, block, tr = setup(gated_from=0, anchor_weight=0.0)
+    tr.anchor_inputs = []
+    tr.calibrate_gate = lambda: setattr(block, "threshold", 1e9)
+    with torch.no_grad():
+        block.w_down.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+    tr.step(0)
+    assert block.w_gate_up.grad is None or block.w_gate_up.grad.abs().max() == 0
+
+
 def test_generation_serves_the_published_block():
     model, a, block, tr = setup(steps=60)
     tok = ByteTokenizer()
@@ -141,6 +177,10 @@ def test_config_and_data_errors():
         TrainConfig(neurons=0)
     with pytest.raises(ValueError, match="lr must be > 0"):
         TrainConfig(lr=0.0)
+    with pytest.raises(ValueError, match="anchor_gate_weight must be >= 0"):
+        TrainConfig(anchor_gate_weight=-1.0)
+    with pytest.raises(ValueError, match="gated_from must be None or an int >= 0"):
+        TrainConfig(gated_from=-2)
     model = toy_model("llama")
     a = DecoderAdapter(model)
     block = AddedSharedNeurons(a.hidden_size, 8)

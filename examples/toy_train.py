@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     before = {c: generate_greedy(model, tok, c) for c in controls}
     # Anchors: the base model's own replies to generic prompts (for the toy,
     # its replies to the control prompts themselves).
-    anchors = make_anchors(model, tok) if args.smollm2 else list(before.items())
+    anchors = make_anchors(model, tok) if args.smollm2 else make_anchors(model, tok, controls, 24)
     block = AddedSharedNeurons(a.hidden_size, config.neurons, seed=config.seed)
     block.attach(a, config.layer)
     trainer = Trainer(a, block, tok, facts, config, anchors=anchors)

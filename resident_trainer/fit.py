@@ -268,11 +268,16 @@ def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def example_ids(tokenizer, question: str, answer: str) -> tuple[list[int], list[int]]:
+def example_ids(tokenizer, question: str, answer: str | Sequence[int]) -> tuple[list[int], list[int]]:
     """(input ids, targets) of one chat exchange; targets are the next token on
-    the answer (and its end-of-turn token), -100 elsewhere."""
+    the answer (and its end-of-turn token), -100 elsewhere. `answer` is text
+    (tokenized, end-of-turn appended) or the reply's token ids exactly as
+    generated (kept as they are)."""
     prompt = chat_prompt_ids(tokenizer, question)
-    reply = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if isinstance(answer, str):
+        reply = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    else:
+        reply = [int(t) for t in answer]
     ids = prompt + reply
     targets = [-100] * (len(prompt) - 1) + reply + [-100]
     return ids, targets
@@ -302,9 +307,10 @@ def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, device
 
 
 @torch.no_grad()
-def generate_greedy(model, tokenizer, question: str, max_new_tokens: int = 24) -> str:
-    """The model's greedy chat reply to `question` (attached blocks serve their
-    published weights)."""
+def generate_greedy_ids(model, tokenizer, question: str, max_new_tokens: int = 24) -> list[int]:
+    """Token ids of the model's greedy chat reply to `question` (attached
+    blocks serve their published weights); ends with the end-of-turn token
+    when the model produced it."""
     ids = torch.tensor([chat_prompt_ids(tokenizer, question)], device=next(model.parameters()).device)
     out = model.generate(
         ids,
@@ -313,13 +319,21 @@ def generate_greedy(model, tokenizer, question: str, max_new_tokens: int = 24) -
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return out[0, ids.shape[1] :].tolist()
 
 
-def make_anchors(model, tokenizer, prompts: Sequence[str] = ANCHOR_PROMPTS, max_new_tokens: int = 32):
+def generate_greedy(model, tokenizer, question: str, max_new_tokens: int = 24) -> str:
+    """The model's greedy chat reply to `question`, as text."""
+    return tokenizer.decode(generate_greedy_ids(model, tokenizer, question, max_new_tokens), skip_special_tokens=True)
+
+
+def make_anchors(
+    model, tokenizer, prompts: Sequence[str] = ANCHOR_PROMPTS, max_new_tokens: int = 32
+) -> list[tuple[str, list[int]]]:
     """Anchor examples: each generic prompt with the base model's own greedy
-    reply (generate these before any block is published)."""
-    return [(p, generate_greedy(model, tokenizer, p, max_new_tokens)) for p in prompts]
+    reply, as the token ids it generated (text would not always tokenize back
+    to them). Generate these before any block is published."""
+    return [(p, generate_greedy_ids(model, tokenizer, p, max_new_tokens)) for p in prompts]
 
 
 # --- training ----------------------------------------------------------------------
@@ -434,7 +448,7 @@ class Trainer:
         facts: Sequence[Fact],
         config: TrainConfig,
         *,
-        anchors: Sequence[tuple[str, str]] = (),
+        anchors: Sequence[tuple[str, str | Sequence[int]]] = (),
         loss_fn: StreamedCrossEntropy | None = None,
     ):
         if not facts:
@@ -459,7 +473,7 @@ class Trainer:
     # --- anchors -----------------------------------------------------------
 
     @torch.no_grad()
-    def _anchor_inputs(self, anchors: Sequence[tuple[str, str]]) -> list[Tensor]:
+    def _anchor_inputs(self, anchors: Sequence[tuple[str, str | Sequence[int]]]) -> list[Tensor]:
         """The block's inputs (layer L's normalized hidden) on every token of
         each anchor exchange: fixed for the job, since the base is frozen and
         the block acts after them."""

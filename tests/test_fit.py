@@ -13,8 +13,11 @@ from resident_trainer.fit import (
     TrainConfig,
     Trainer,
     TrainingAborted,
+    example_ids,
     generate_greedy,
+    generate_greedy_ids,
     load_checkpoint,
+    make_anchors,
     rewordings,
     save_checkpoint,
 )
@@ -170,6 +173,20 @@ def test_generation_serves_the_published_block():
     tr.run()
     after = generate_greedy(model, tok, FACTS[0].question, max_new_tokens=6)
     assert after.startswith("Quen.") and after != before
+
+
+def test_anchors_keep_the_generated_token_ids():
+    # The byte tokenizer cannot decode every byte the model emits, so text
+    # would not tokenize back to the reply the model generated: anchors keep ids.
+    model = toy_model("llama", layers=4, hidden=32)
+    tok = ByteTokenizer()
+    (prompt, reply), = make_anchors(model, tok, ["Hello there?"], 24)
+    assert reply == generate_greedy_ids(model, tok, "Hello there?", 24)
+    assert tok(tok.decode(reply, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != reply
+    ids, targets = example_ids(tok, prompt, reply)
+    assert ids[-len(reply):] == reply and targets[-len(reply) - 1 : -1] == reply and targets[-1] == -100
+    ids_text, _ = example_ids(tok, prompt, "Hi")
+    assert ids_text[-3:] == [*tok("Hi", add_special_tokens=False)["input_ids"], tok.eos_token_id]
 
 
 def test_config_and_data_errors():

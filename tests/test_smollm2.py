@@ -34,8 +34,11 @@ def test_adapter_exposes_the_model_without_copies(smollm2):
     assert a.head_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     loss_fn = StreamedCrossEntropy(a)
     assert loss_fn.head_weight.data_ptr() == model.lm_head.weight.data_ptr()
-    ptrs = {t.data_ptr() for t in model.parameters()}
-    assert all(t.data_ptr() in ptrs for t in a.frozen_tensors().values())
+    # The fingerprinted tensors are the model's own parameters and buffers.
+    frozen = a.frozen_tensors()
+    ptrs = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert all(t.data_ptr() in ptrs for t in frozen.values())
+    assert set(dict(model.named_parameters())) <= set(frozen)
 
 
 def test_replay_step_equals_the_models_own_autograd(smollm2):

@@ -104,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_teach(args: argparse.Namespace) -> int:
     from resident_trainer import HAS_C, fingerprint_tensors
     from resident_trainer.fit import TrainConfig
-    from resident_trainer.locality import CONTROL_PROMPTS, DEMO_FACTS, teach_and_check
+    from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS, teach_and_check
     from resident_trainer.models import load_smollm2
 
     if not HAS_C:

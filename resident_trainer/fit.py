@@ -666,26 +666,9 @@ def checkpoint_bytes(trainer: Trainer) -> bytes:
 def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
     """Write the checkpoint atomically: a temporary file in the same folder,
     flushed to disk, then renamed over `path` (a crash leaves the old one)."""
-    path = os.fspath(path)
-    data = checkpoint_bytes(trainer)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    from resident_trainer.protocol.fs import LocalFileSystem
+
+    LocalFileSystem().write_atomic(os.path.abspath(os.fspath(path)), checkpoint_bytes(trainer))
 
 
 def load_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:

@@ -17,7 +17,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -469,6 +469,10 @@ class Trainer:
         ]
         self.anchor_inputs = self._anchor_inputs(anchors) if anchors else []
         self.base_fingerprint = fingerprint_tensors(adapter.frozen_tensors())
+        # A job trains ungated (until gated_from): the threshold a previous job
+        # published keeps serving, but must not hide the new facts' tokens.
+        block.threshold = None
+        self._gate_step: int | None = None  # step_index the threshold was calibrated at
 
     # --- anchors -----------------------------------------------------------
 
@@ -589,7 +593,6 @@ class Trainer:
         try:
             for i in it:
                 self.step(i)
-            self.calibrate_gate()
             self.check_base_unchanged()
         except BaseException:
             self.discard()
@@ -607,7 +610,16 @@ class Trainer:
     def fingerprint(self) -> Mapping[str, str]:
         return fingerprint_tensors(self.adapter.frozen_tensors()).as_dict()["tensors"]
 
+    def _gate_for_current_weights(self) -> None:
+        if self._gate_step != self.step_index:
+            self.calibrate_gate()
+            self._gate_step = self.step_index
+
     def publish(self) -> None:
+        """Calibrate the gate on the trained weights (unless done for them
+        already), then let serving use them. The protocol calls this at a job's
+        commit boundary, run() at its end."""
+        self._gate_for_current_weights()
         self.block.publish()
 
     def discard(self) -> None:
@@ -617,6 +629,11 @@ class Trainer:
         )
 
     def checkpoint(self) -> bytes:
+        """The block as the job will publish it (gate calibrated), with its
+        optimizer state: what the protocol keeps as the last good checkpoint
+        at the job's verify boundary. After a restart, load it and call
+        ``block.publish()`` to serve it."""
+        self._gate_for_current_weights()
         return checkpoint_bytes(self)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -130,6 +130,20 @@ def test_gate_makes_the_block_an_exact_no_op_on_anchors():
         assert torch.equal(model(ids).logits, served)
 
 
+def test_a_new_job_trains_ungated_while_serving_keeps_the_published_gate():
+    model, a, block, tr = setup(anchors=ANCHORS, steps=10)
+    tr.run()
+    published = block.published_threshold
+    assert published is not None and block.threshold == published
+    served = logits(model)
+    nxt = Trainer(a, block, ByteTokenizer(), [Fact("Color of glim?", "Red.")], tr.config, anchors=ANCHORS)
+    assert block.threshold is None and block.published_threshold == published
+    nxt.step(0)
+    assert torch.equal(logits(model), served)
+    nxt.publish()
+    assert block.published_threshold is not None and block.published_threshold != published
+
+
 def test_anchor_penalty_is_the_documented_sum():
     model, a, block, tr = setup(anchors=ANCHORS, anchor_weight=0.7, anchor_gate_weight=0.3, anchor_batch=2)
     with torch.no_grad():

@@ -11,25 +11,21 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from resident_trainer.protocol.authority import authority_ok, start_tag, tag_ok
 from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, MemorySample, system_sampler
-from resident_trainer.protocol.channel import TrainerChannel
 from resident_trainer.protocol.checkpoint import CheckpointStore, CorruptCheckpoint
-from resident_trainer.protocol.clock import MonotonicClock
 from resident_trainer.protocol.config import ProtocolConfig, Timeouts
 from resident_trainer.protocol.errors import FencedOut, HotLoadRefused
 from resident_trainer.protocol.frozen import FrozenFingerprint
 from resident_trainer.protocol.fs import LocalFileSystem, MemoryFileSystem
 from resident_trainer.protocol.hotload import StagedCode, code_digest, execute, stage, staged_path
-from resident_trainer.protocol.job import JobKind, JobSpec, RankContext
+from resident_trainer.protocol.job import JobKind, JobSpec
 from resident_trainer.protocol.lock import FencedLock
 from resident_trainer.protocol.records import RecordLog, read_jsonl
 from resident_trainer.protocol.recovery import GroupState, Recovery, admits, read_group
-from resident_trainer.protocol.server import HeadServer, WorkerServer
-from resident_trainer.protocol.serving import Chat, OpKind, ServingOp, StoreServingLink
-from resident_trainer.protocol.store import MemoryKVStore, TorchKVStore
+from resident_trainer.protocol.serving import OpKind, ServingOp, StoreServingLink
+from resident_trainer.protocol.store import MemoryKVStore
 
 
 class FakeClock:
@@ -446,20 +442,6 @@ def test_store_link_keeps_order_rings_and_cleans_up():
 # --- the production loops in two threads over a torch store ---------------------------------------
 
 
-class _Chats:
-    def __init__(self):
-        self.new, self.done = [], {}
-        self.lock = threading.Lock()
-
-    def take(self):
-        with self.lock:
-            out, self.new = self.new, []
-        return out
-
-    def finished(self, chat, msg):
-        self.done[chat.id] = msg
-
-
 class _Body:
     def __init__(self, log):
         self.log = log
@@ -482,64 +464,20 @@ class _Body:
 
 
 def test_head_and_worker_loops_over_a_hashstore(tmp_path):
-    from resident_trainer.protocol.pair import drive
+    from protocol_harness import run_pair
 
-    kv = TorchKVStore(dist.HashStore())
-    fs = LocalFileSystem()
-    cfg = ProtocolConfig(authority="a", receipts_dir=str(tmp_path / "r"), checkpoints_dir=str(tmp_path / "c"),
-                         timeouts=Timeouts.scaled(2.0))
     bodies = {0: [], 1: []}
-
-    def ctx(rank):
-        clock = MonotonicClock()
-        return RankContext(rank, 2, "g1", TrainerChannel(kv, group="g1", world=2), clock, fs,
-                           RecordLog(fs, cfg.receipts_dir, rank=rank, group="g1", clock=clock), cfg,
-                           BudgetMonitor(MemoryBudget(0, 1 << 40), lambda: MemorySample(1, 0)),
-                           CheckpointStore(fs, cfg.checkpoints_dir))
-
-    chats = _Chats()
-
-    class Backend:
-        def __init__(self):
-            self.msgs = []
-
-        def execute(self, op):
-            self.msgs.append(op.msg)
-
-    hb, wb = Backend(), Backend()
-    head = HeadServer(ctx(0), link=StoreServingLink(kv, group="g1", rank=0, world=2), backend=hb, chats=chats,
-                      body_factory=lambda spec, c: _Body(bodies[0]))
-    worker = WorkerServer(ctx(1), link=StoreServingLink(kv, group="g1", rank=1, world=2), backend=wb,
-                          body_factory=lambda spec, c: _Body(bodies[1]))
-    stop = threading.Event()
-    threads = [threading.Thread(target=drive, args=(s, kv, MonotonicClock(), stop, 0.01)) for s in (head, worker)]
-    with chats.lock:
-        chats.new.append(Chat(0, 3, 0.0))
-    head.submit(JobSpec("j1", steps=3, root=str(tmp_path / "job"), authority="a"))
-    head.submit(JobSpec("j2", steps=1, root=str(tmp_path / "job"), authority="wrong"))
-    for t in threads:
-        t.start()
-    try:
-        receipts = str(tmp_path / "r" / "rank1" / "receipts.jsonl")
-        done = threading.Event()
-        for _ in range(2000):  # bounded poll for the worker's receipt and the reply
-            if read_jsonl(fs, receipts) and chats.done and not head.busy:
-                done.set()
-                break
-            stop.wait(0.01)
-        assert done.is_set(), "the job did not finish"
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    head_receipts = read_jsonl(fs, str(tmp_path / "r" / "rank0" / "receipts.jsonl"))
-    assert [(r["job"], r["outcome"]) for r in head_receipts] == [("j1", "publish"), ("j2", "refused")]
-    assert [(r["outcome"], r["boundary"]) for r in read_jsonl(fs, receipts)] == [("publish", 4)]
+    specs = [JobSpec("j1", steps=3, root=str(tmp_path / "job"), authority="a"),
+             JobSpec("j2", steps=1, root=str(tmp_path / "job"), authority="wrong")]
+    run = run_pair(tmp_path, [lambda spec, c: _Body(bodies[0]), lambda spec, c: _Body(bodies[1])], specs)
+    assert [(r["job"], r["outcome"]) for r in run.receipts[0]] == [("j1", "publish"), ("j2", "refused")]
+    assert [(r["outcome"], r["boundary"]) for r in run.receipts[1]] == [("publish", 4)]
     assert bodies[0] == bodies[1] == [0, 1, 2, "published"]
+    hb, wb = run.backends
     assert hb.msgs == wb.msgs  # the worker executed every serving op, in order
-    assert head.published == worker.published
-    assert CheckpointStore(fs, cfg.checkpoints_dir).last_good().name == "j1"
-    left = [k for k in kv._root.list_keys() if k.startswith("rt/") and not k.endswith("/closed")]
+    assert run.head.published == run.worker.published
+    assert CheckpointStore(run.fs, run.cfg.checkpoints_dir).last_good().name == "j1"
+    left = [k for k in run.kv._root.list_keys() if k.startswith("rt/") and not k.endswith("/closed")]
     assert left == []  # the finished jobs' keys were purged
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import resident_trainer.ops.added_expert as ae
 from resident_trainer import _ext
-from resident_trainer.ops.added_expert import AddedExpert, added_expert, added_expert_reference
+from resident_trainer.ops.added_expert import AddedExpert, added_expert
 
 K = 3.0
 ATOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-9}

@@ -3,14 +3,12 @@ itself matches a word-by-word pure-Python statement of the spec; invariance to
 tiling, threads, contiguity and offset; sensitivity to every bit; shards."""
 
 import math
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -102,7 +102,10 @@ def test_worker_killed_mid_job_head_cancels_the_job_and_keeps_serving(pair):
     # The receipt's clock is the head's CLOCK_MONOTONIC, the same clock as ours.
     took = receipt["t"] - killed_at
     assert receipt["outcome"] == "abort", receipt
-    assert 0 <= took <= pair.cfg.timeouts.exchange + 2.0, f"the head took {took:.2f}s to cancel the job"
+    # Measured (6 runs): 14-22 ms when the kill lands in a step (the all-reduce
+    # fails at once), 1.006 s between steps (the exchange timeout, 1.0 s, runs
+    # out). The bound allows the timeout plus 0.5 s of scheduling.
+    assert 0 <= took <= pair.cfg.timeouts.exchange + 0.5, f"the head took {took:.2f}s to cancel the job"
     assert any("rank 1" in why or "rank 0: step" in why for why in receipt["reasons"]), receipt["reasons"]
     assert 3 <= receipt["steps"] < 100_000
 
@@ -157,7 +160,8 @@ def test_head_killed_recovery_restarts_the_pair_and_a_second_recovery_changes_no
     # Without its head the worker gives up on the group by itself.
     wait_for(lambda: not pair.control.alive(worker_pid), pair.cfg.timeouts.group + 10, "the worker to leave")
     assert pair.control.procs[worker_pid].returncode == EXIT_LOST
-    assert time.monotonic() - lost_at <= pair.cfg.timeouts.group + 10
+    # Measured (6 runs): 6.11-6.15 s with the 6 s group timeout.
+    assert time.monotonic() - lost_at <= pair.cfg.timeouts.group + 1.0
 
     second = pair.recovery.run()
     assert (second.action, second.generation) == ("restarted", 2) and second.token > first.token

@@ -61,12 +61,13 @@ def test_replay_step_equals_the_models_own_autograd(smollm2):
             want = [block.w_gate_up.grad.clone(), block.w_down.grad.clone()]
             block.zero_grad()
             res = LayerReplay(a, 15).step(inputs, lambda h: StreamedCrossEntropy(a)(h, targets))
-        # fp32; 15 replayed layers and the tiled loss reorder sums: the
-        # measured relative differences are ~1e-6 (loss) and ~1e-5 (gradients).
-        assert abs(res.loss.item() - want_loss.item()) <= 1e-5 * want_loss.item()
+        # fp32; 15 replayed layers and the tiled loss reorder sums. Measured
+        # over 3 batches: loss within 2.6e-7 relative, gradients within
+        # 1.42e-5 of their largest entry; the bounds leave 4x and 3.5x.
+        assert abs(res.loss.item() - want_loss.item()) <= 1e-6 * want_loss.item()
         for got, w in zip([block.w_gate_up.grad, block.w_down.grad], want):
             assert w.abs().max() > 0
-            assert (got - w).abs().max() <= 1e-4 * w.abs().max()
+            assert (got - w).abs().max() <= 5e-5 * w.abs().max()
     finally:
         handle.remove()
 

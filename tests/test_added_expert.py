@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import resident_trainer.ops.added_expert as ae
 from resident_trainer import _ext
+from resident_trainer.ops._saved import saved_bytes
 from resident_trainer.ops.added_expert import AddedExpert, added_expert
 
 K = 3.0
@@ -324,22 +325,6 @@ def test_bad_input_names_the_argument():
 
 
 # --- memory: what the backward keeps --------------------------------------------
-
-
-def saved_bytes(fn, inputs):
-    """Bytes of the tensors autograd saves that are not the op's inputs."""
-    seen = {}
-    own = {t.untyped_storage().data_ptr() for t in inputs}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*inputs)
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])

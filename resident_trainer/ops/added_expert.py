@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from resident_trainer import _ext
-from resident_trainer.ops._gemm import ONEDNN, linear
+from resident_trainer.ops._gemm import linear, onednn_supports
 
 IMPLS = ("auto", "cpu", "torch", "triton", "reference")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -108,7 +108,7 @@ def _mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     inner product copies a transposed first operand, so the narrower of the
     two goes there. In bf16, torch.mm (oneDNN's matmul, no copy) is faster
     for this shape: 1.45 ms against 2.0 ms for (512 x 2048) @ (2048 x 576)."""
-    if a.dtype == torch.bfloat16 or not ONEDNN:
+    if a.dtype == torch.bfloat16 or not onednn_supports(a.dtype):
         return torch.mm(a.t(), b)
     if a.shape[1] <= b.shape[1]:
         return _mm_nt(a.t(), b.t())

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import resident_trainer.ops.added_expert as ae
-from resident_trainer.ops._saved import saved_bytes
+from resident_trainer.ops.saved import saved_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GOAL = (2048, 576, 256)  # N, D, A: SmolLM2's width, a typical block

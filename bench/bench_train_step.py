@@ -49,9 +49,9 @@ def setup():
     """(model, adapter, block, ids, targets, step functions by provider)."""
     import torch.nn.functional as F
 
-    from resident_trainer.fit import AddedSharedNeurons
+    from resident_trainer.train import AddedSharedNeurons
     from resident_trainer.models import DecoderAdapter, load_smollm2
-    from resident_trainer.thin import LayerReplay, StreamedCrossEntropy
+    from resident_trainer.train import LayerReplay, StreamedCrossEntropy
 
     model, _ = load_smollm2()
     for p in model.parameters():

@@ -2,7 +2,7 @@
 
     python examples/protocol_pair.py [--steps 400] [--chats 40]
 
-Starts the pair of resident_trainer.protocol.pair under the recovery lock in
+Starts the pair of resident_trainer.integrations.torchdist.pair under the recovery lock in
 a temporary directory, then measures and prints:
   * start: recovery's restart of an empty state dir until the first reply
   * chat round trip with the server idle
@@ -27,7 +27,7 @@ from resident_trainer.protocol.clock import WallClock
 from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobSpec
 from resident_trainer.protocol.lock import FencedLock
-from resident_trainer.protocol.pair import PairClient, ProcessGroupControl
+from resident_trainer.integrations.torchdist.pair import PairClient, ProcessGroupControl
 from resident_trainer.protocol.records import read_jsonl
 from resident_trainer.protocol.recovery import Recovery
 

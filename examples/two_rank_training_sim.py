@@ -22,12 +22,12 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 
-from resident_trainer._spawn import gloo_worker
-from resident_trainer.fit import AddedSharedNeurons, Fact, TrainConfig, Trainer, generate_greedy
+from resident_trainer.integrations.torchdist.procs import gloo_worker
+from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer, generate_greedy
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import TOY_ARCHS, ByteTokenizer, toy_model
 from resident_trainer.ops.fingerprint import fingerprint_tensors
-from resident_trainer.thin import StreamedCrossEntropy
+from resident_trainer.train import StreamedCrossEntropy
 
 FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
 ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, three.")]
@@ -36,7 +36,7 @@ ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, 
 def train(args, rank: int = 0, world: int = 1, group=None) -> dict:
     model = toy_model(args.arch, layers=args.layers, hidden=32, seed=0)
     a = DecoderAdapter(model)
-    config = TrainConfig(layer=args.layer, neurons=args.neurons, steps=args.steps, lr=3e-2, batch_size=4, rewordings=2)
+    config = TrainConfig(layer=args.layer, num_neurons=args.neurons, steps=args.steps, lr=3e-2, batch_size=4, rewordings=2)
     # This rank's contiguous vocabulary rows: a view, not a copy, of the head.
     v = a.vocab_size
     start = rank * v // world
@@ -44,7 +44,7 @@ def train(args, rank: int = 0, world: int = 1, group=None) -> dict:
     head = a.head_weight[start:stop]
     assert head.data_ptr() == a.head_weight.data_ptr() + start * a.head_weight.stride(0) * a.head_weight.element_size()
     loss_fn = StreamedCrossEntropy(a, head_weight=head, process_group=group, vocab_start=start)
-    block = AddedSharedNeurons(a.hidden_size, config.neurons, process_group=group, seed=config.seed)
+    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, process_group=group, seed=config.seed)
     block.attach(a, config.layer)
     before = fingerprint_tensors(a.frozen_tensors()).hex
     trainer = Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=ANCHORS, loss_fn=loss_fn)

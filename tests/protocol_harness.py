@@ -18,7 +18,7 @@ from resident_trainer.protocol.job import RankContext
 from resident_trainer.protocol.records import RecordLog, read_jsonl
 from resident_trainer.protocol.server import HeadServer, WorkerServer
 from resident_trainer.protocol.serving import Chat, StoreServingLink
-from resident_trainer.protocol.store import TorchKVStore
+from resident_trainer.integrations.torchdist.store import TorchKVStore
 
 
 class Chats:
@@ -60,7 +60,7 @@ def run_pair(tmp_path, factories, specs, *, chats: int = 1, authority: str = "a"
     worker (rank 1) whose bodies come from factories[rank](spec, ctx), with
     `chats` chats waiting; returns once the worker has a receipt per
     authorised job, every chat is answered and the head is idle."""
-    from resident_trainer.protocol.pair import drive
+    from resident_trainer.integrations.torchdist.pair import drive
 
     kv = TorchKVStore(dist.HashStore())
     fs = LocalFileSystem()

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import resident_trainer.ops.added_expert as ae
 from resident_trainer import _ext
-from resident_trainer.ops._saved import saved_bytes
-from resident_trainer.ops.added_expert import AddedExpert, added_expert
+from resident_trainer.ops.saved import saved_bytes
+from resident_trainer.ops.added_expert import added_expert
 
 K = 3.0
 ATOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-9}
@@ -366,23 +366,24 @@ def test_cpu_kernel_is_the_same_for_any_thread_count(gen):
 
 def test_auto_picks_the_compiled_kernel_for_narrow_fp32_on_cpu():
     assert _ext.has_kernel("added_expert_fused_forward", "CPU")
-    assert ae._resolve_impl("auto", torch.zeros(2, 576)) == "cpu"
-    assert ae._resolve_impl("auto", torch.zeros(2, 4096)) == "torch"
-    assert ae._resolve_impl("auto", torch.zeros(2, 576, dtype=torch.bfloat16)) == "torch"
+    assert ae.resolve_impl("auto", torch.zeros(2, 576)) == "cpu"
+    assert ae.resolve_impl("auto", torch.zeros(2, 4096)) == "torch"
+    assert ae.resolve_impl("auto", torch.zeros(2, 576, dtype=torch.bfloat16)) == "torch"
 
 
-def test_module_starts_as_a_noop_and_trains(gen):
-    torch.manual_seed(0)
-    m = AddedExpert(16, 8)
+def test_block_starts_as_a_noop_and_trains(gen):
+    from resident_trainer.train import AddedSharedNeurons
+
+    m = AddedSharedNeurons(16, 8, seed=0)
     assert m.w_gate_up.shape == (16, 16) and m.w_down.shape == (16, 8)
     x = torch.randn(5, 16, generator=gen)
-    out = m(x)
+    out = m.block(x, published=False)
     assert torch.equal(out, torch.zeros_like(out))
     F.mse_loss(out, torch.ones(5, 16)).backward()
     # Wd = 0: only the down projection gets a gradient on the first step.
     assert m.w_down.grad.abs().sum() > 0
     assert torch.equal(m.w_gate_up.grad, torch.zeros_like(m.w_gate_up))
-    assert "n_neurons=8" in repr(m)
+    assert "num_neurons=8" in repr(m)
 
 
 # --- torch.compile ----------------------------------------------------------------
@@ -410,7 +411,7 @@ def test_torch_compile_fullgraph(gen):
 
 
 def _tp_worker(rank, world, port, inputs, dout, mask, impl, results):
-    from resident_trainer._spawn import gloo_worker
+    from resident_trainer.integrations.torchdist.procs import gloo_worker
 
     with gloo_worker(rank, world, f"tcp://127.0.0.1:{port}") as group:
         x, wg, wu, wd = inputs

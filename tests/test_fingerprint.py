@@ -133,7 +133,8 @@ def test_constants_agree_with_header():
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 def test_every_impl_matches_oracle(impl, dtype, shape, gen):
     t = rand_tensor(shape, dtype, gen)
-    lanes = fp._lanes(t, 0, impl).tolist()
+    part = rt.fingerprint_partial(t, offset=0, impl=impl)
+    lanes = [part.lane0, part.lane1]
     want = list(spec_lanes(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(), 0))
     assert lanes == want
     assert rt.fingerprint(t, impl=impl) == fp.finalize(*want, dtype, shape)
@@ -144,7 +145,8 @@ def test_every_impl_matches_oracle(impl, dtype, shape, gen):
 def test_64bit_positions_do_not_wrap(impl, word_offset, gen):
     # 64 words straddling a 2^32-word (16 GiB) boundary, or far above it.
     data = torch.randint(0, 256, (64 * 4 + 3,), dtype=torch.uint8, generator=gen)
-    got = fp._chunk_lanes(data, word_offset, impl).tolist()
+    part = rt.fingerprint_partial(data, offset=4 * word_offset, impl=impl)  # uint8: the offset is in bytes
+    got = [part.lane0, part.lane1]
     assert got == list(spec_lanes(data.numpy().tobytes(), word_offset))
     if word_offset >= 2**32:  # the high half of the position enters the hash
         assert got != list(spec_lanes(data.numpy().tobytes(), word_offset & 0xFFFFFFFF))
@@ -327,7 +329,7 @@ def test_import_without_extension_and_error_says_how_to_build():
 
 
 def _sharded_worker(rank, world, store_path, shards, shape, dtype, results):
-    from resident_trainer._spawn import gloo_worker
+    from resident_trainer.integrations.torchdist.procs import gloo_worker
 
     with gloo_worker(rank, world, f"file://{store_path}"):
         shard, offset = shards[rank]

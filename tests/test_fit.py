@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from resident_trainer.fit import (
+from resident_trainer.train import (
     AddedSharedNeurons,
     Fact,
     TrainConfig,
@@ -32,8 +32,8 @@ ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, 
 def setup(arch="llama", anchors=(), seed=0, **cfg):
     model = toy_model(arch, layers=4, hidden=32, seed=seed)
     a = DecoderAdapter(model)
-    config = TrainConfig(**{"layer": 1, "neurons": 32, "steps": 40, "lr": 3e-2, "batch_size": 4, "rewordings": 2, **cfg})
-    block = AddedSharedNeurons(a.hidden_size, config.neurons, seed=config.seed)
+    config = TrainConfig(**{"layer": 1, "num_neurons": 32, "steps": 40, "lr": 3e-2, "batch_size": 4, "rewordings": 2, **cfg})
+    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed)
     block.attach(a, config.layer)
     return model, a, block, Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=anchors)
 
@@ -119,7 +119,7 @@ def test_gate_makes_the_block_an_exact_no_op_on_anchors():
     assert block.published_threshold is not None
     for x in tr.anchor_inputs:
         assert (block.block(x, published=True) == 0).all()
-    fact_x = tr._anchor_inputs([(FACTS[0].question, FACTS[0].answer)])[0]
+    fact_x = tr.block_inputs([(FACTS[0].question, FACTS[0].answer)])[0]
     assert (block.block(fact_x, published=True).abs().sum(-1) > 0).any()
     # serving an anchor exchange is bit-identical to the base model
     ids = torch.tensor([ByteTokenizer()("\x01" + ANCHORS[0][0] + "\x02\x03" + ANCHORS[0][1])["input_ids"]])
@@ -153,7 +153,7 @@ def test_anchor_penalty_is_the_documented_sum():
     wg, wu = block.w_gate_up.detach().split(block.local_neurons)
     out = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ block.w_down.detach().T
     want = 0.7 * out.square().sum(-1).mean() + 0.3 * torch.relu((x @ wg.T).amax(-1)).square().mean()
-    got = tr._anchor_penalty(1)
+    got = tr.anchor_penalty(1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     got.backward()
     assert block.w_gate_up.grad.abs().sum() > 0
@@ -205,7 +205,7 @@ def test_anchors_keep_the_generated_token_ids():
 
 def test_config_and_data_errors():
     with pytest.raises(ValueError, match="neurons must be a positive int"):
-        TrainConfig(neurons=0)
+        TrainConfig(num_neurons=0)
     with pytest.raises(ValueError, match="lr must be > 0"):
         TrainConfig(lr=0.0)
     with pytest.raises(ValueError, match="anchor_gate_weight must be >= 0"):

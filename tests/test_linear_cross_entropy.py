@@ -386,7 +386,7 @@ def test_torch_compile_inductor_fullgraph(gen):
 def _tp_worker(rank, world, store_path, sizes):
     import os
 
-    from resident_trainer._spawn import gloo_worker
+    from resident_trainer.integrations.torchdist.procs import gloo_worker
 
     os.environ["TRITON_INTERPRET"] = "1"
     with gloo_worker(rank, world, f"file://{store_path}") as group:

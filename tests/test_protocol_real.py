@@ -1,5 +1,5 @@
 """Real processes: a pair of ranks (gloo on loopback, a real TCPStore, the
-minimal serving loop of resident_trainer.protocol.pair) started and
+minimal serving loop of resident_trainer.integrations.torchdist.pair) started and
 restarted by recovery under the fenced lock, then killed with SIGKILL.
 
 Every rank is a child of this test process, started with PR_SET_PDEATHSIG,
@@ -19,7 +19,7 @@ from resident_trainer.protocol.config import ProtocolConfig
 from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobKind, JobSpec
 from resident_trainer.protocol.lock import FencedLock
-from resident_trainer.protocol.pair import EXIT_LOST, PairClient, ProcessGroupControl, pid_alive
+from resident_trainer.integrations.torchdist.pair import EXIT_LOST, PairClient, ProcessGroupControl, pid_alive
 from resident_trainer.protocol.records import read_jsonl
 from resident_trainer.protocol.recovery import Recovery
 
@@ -147,11 +147,11 @@ def test_head_killed_recovery_restarts_the_pair_and_a_second_recovery_changes_no
     # Hot-load into a module both ranks have loaded: executed on both, same digest.
     staged = pair.tmp / "hot" / "staged"
     staged.mkdir(parents=True)
-    (staged / "resident_trainer.protocol.frozen.py").write_text("HOTLOADED = 'pair-test'\n")
+    (staged / "resident_trainer.train.frozen.py").write_text("HOTLOADED = 'pair-test'\n")
     client.submit(JobSpec("hot", kind=JobKind.HOTLOAD, root=str(pair.tmp / "hot"), authority=AUTH,
-                          modules=("resident_trainer.protocol.frozen",)))
+                          modules=("resident_trainer.train.frozen",)))
     hot = [wait_for(lambda r=r: _receipt(pair, r, "hot"), 60, f"rank {r}'s hot-load receipt") for r in (0, 1)]
-    assert [(h["outcome"], h["loaded"]) for h in hot] == [("done", ["resident_trainer.protocol.frozen"])] * 2
+    assert [(h["outcome"], h["loaded"]) for h in hot] == [("done", ["resident_trainer.train.frozen"])] * 2
     loads = [[x["digest"] for x in _phases(pair, r) if x["job"] == "hot" and x["phase"] == "load"] for r in (0, 1)]
     assert loads[0] == loads[1] and len(loads[0]) == 1
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from resident_trainer.protocol import sim
+from resident_trainer import testing as sim
 from resident_trainer.protocol.checkpoint import CheckpointStore
 
 SEEDS = int(os.environ.get("RESIDENT_TRAINER_SIM_SEEDS", "10000"))
@@ -19,7 +19,7 @@ SEEDS = int(os.environ.get("RESIDENT_TRAINER_SIM_SEEDS", "10000"))
 
 def _replay(seed, world, variant=None):
     v = f" --variant {variant}" if variant else ""
-    return f"python -m resident_trainer.protocol.sim --seed {seed} --world {world}{v}"
+    return f"python -m resident_trainer.testing.sim --seed {seed} --world {world}{v}"
 
 
 #: Everything the sweep must reach, or it proves less than it claims.

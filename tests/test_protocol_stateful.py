@@ -11,7 +11,8 @@ from resident_trainer.protocol.channel import ACK, DECISION, REPORT, SEAL, Recor
 from resident_trainer.protocol.errors import FencedOut
 from resident_trainer.protocol.fs import MemoryFileSystem
 from resident_trainer.protocol.lock import FencedLock
-from resident_trainer.protocol.store import MemoryKVStore, TorchKVStore
+from resident_trainer.integrations.torchdist.store import TorchKVStore
+from resident_trainer.protocol.store import MemoryKVStore
 
 LAST = 4  # last boundary of every job in the channel machine
 jobs = st.integers(1, 3)

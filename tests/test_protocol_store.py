@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from resident_trainer.protocol.channel import ACK, DECISION, REPORT, SEAL, Record, TrainerChannel
 from resident_trainer.protocol.errors import ChannelError, RecordTooLarge, StoreTimeout
-from resident_trainer.protocol.store import COUNTER_PREFIX, MAX_VALUE_BYTES, SENTINEL, MemoryKVStore, TorchKVStore
+from resident_trainer.integrations.torchdist.store import TorchKVStore
+from resident_trainer.protocol.store import COUNTER_PREFIX, MAX_VALUE_BYTES, SENTINEL, MemoryKVStore
 
 TIMEOUT = datetime.timedelta(seconds=5)
 

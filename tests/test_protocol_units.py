@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from resident_trainer.protocol.authority import authority_ok, start_tag, tag_ok
-from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, MemorySample, system_sampler
+from resident_trainer.integrations.torchdist.memory import system_sampler
+from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, MemorySample
 from resident_trainer.protocol.checkpoint import CheckpointStore, CorruptCheckpoint
 from resident_trainer.protocol.config import ProtocolConfig, Timeouts
 from resident_trainer.protocol.errors import FencedOut, HotLoadRefused
-from resident_trainer.protocol.frozen import FrozenFingerprint
+from resident_trainer.train.frozen import FrozenFingerprint
 from resident_trainer.protocol.fs import LocalFileSystem, MemoryFileSystem
 from resident_trainer.protocol.hotload import StagedCode, code_digest, execute, stage, staged_path
 from resident_trainer.protocol.job import JobKind, JobSpec
@@ -41,7 +42,7 @@ class FakeClock:
 
 def test_config_defaults_and_environment():
     d = ProtocolConfig.from_env({})
-    assert (d.authority, d.master_port, d.layer, d.watch_layer, d.host) == ("", 29551, 35, 44, "127.0.0.1")
+    assert (d.authority, d.master_port, d.layer, d.watch_layer, d.host) == ("", 29551, None, None, "127.0.0.1")
     assert d.memory_floor == 1 << 30 and not d.hotload
     env = {
         "RESIDENT_TRAINER_AUTHORITY": "s3cret",
@@ -65,25 +66,23 @@ def test_config_defaults_and_environment():
     "name,value,match",
     [("MASTER_PORT", "http", "MASTER_PORT must be an integer"), ("MASTER_PORT", "70000", "MASTER_PORT must be in"),
      ("LAYER", "x", "LAYER must be an integer"), ("HOTLOAD", "maybe", "HOTLOAD must be 0 or 1"),
-     ("TIMEOUT", "soon", "TIMEOUT must be a number"), ("LAYER", "-1", "layer must be a non-negative")],
+     ("TIMEOUT", "soon", "TIMEOUT must be a number"), ("LAYER", "-1", "layer must be None or a non-negative int")],
 )
 def test_config_errors_name_the_variable(name, value, match):
     with pytest.raises(ValueError, match=match):
         ProtocolConfig.from_env({f"RESIDENT_TRAINER_{name}": value})
 
 
-def test_layers_clamp_to_the_model_depth_with_a_warning():
-    c = ProtocolConfig()
-    with pytest.warns(UserWarning) as caught:
-        d = c.with_depth(24)
-    assert [str(w.message).split(" is ")[0] for w in caught] == ["RESIDENT_TRAINER_LAYER=35", "RESIDENT_TRAINER_WATCH_LAYER=44"]
-    assert "using 23 (the model has 24 layers)" in str(caught[0].message)
-    assert (d.layer, d.watch_layer) == (23, 23)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert ProtocolConfig(layer=3, watch_layer=5).with_depth(48) == ProtocolConfig(layer=3, watch_layer=5)
-    with pytest.raises(ValueError, match="depth"):
-        c.with_depth(0)
+def test_layer_settings_are_checked_against_the_model_never_clamped():
+    from resident_trainer.models.adapter import layer_index
+
+    c = ProtocolConfig.from_env({})
+    # Unset: the model's middle layer (what the trainer's TrainConfig uses too).
+    assert layer_index(c.layer, 24) == 12 and layer_index(c.layer, 30) == 15
+    assert layer_index(5, 24) == 5
+    for bad in (24, 35, -1):
+        with pytest.raises(ValueError, match=f"RESIDENT_TRAINER_LAYER must be in \\[0, 24\\).*got {bad}"):
+            layer_index(bad, 24, "RESIDENT_TRAINER_LAYER")
 
 
 def test_timeouts_keep_their_order():
@@ -489,7 +488,7 @@ def test_public_surface_and_no_import_time_side_effects(tmp_path):
     assert [n for n in protocol.__all__ if not hasattr(protocol, n)] == []
     code = (
         "import threading; n = threading.active_count()\n"
-        "import resident_trainer.protocol, resident_trainer.protocol.sim, resident_trainer.protocol.pair\n"
+        "import resident_trainer.protocol, resident_trainer.testing.sim, resident_trainer.integrations.torchdist.pair\n"
         "assert threading.active_count() == n, 'a thread started at import'\n"
     )
     env = {**os.environ, "RESIDENT_TRAINER_RECEIPTS": str(tmp_path / "r"), "RESIDENT_TRAINER_STATE_DIR": str(tmp_path / "s")}

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from resident_trainer.fit import AddedSharedNeurons, TrainConfig
+from resident_trainer.train import AddedSharedNeurons, TrainConfig
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS, teach_and_check
 from resident_trainer.models import DecoderAdapter, load_smollm2
 from resident_trainer.ops.fingerprint import fingerprint_tensors
-from resident_trainer.thin import LayerReplay, StreamedCrossEntropy
+from resident_trainer.train import LayerReplay, StreamedCrossEntropy
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from resident_trainer.fit import AddedSharedNeurons
+from resident_trainer.train import AddedSharedNeurons
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.ops.fingerprint import fingerprint_tensors
-from resident_trainer.thin import LayerReplay, StreamedCrossEntropy, full_graph_step
+from resident_trainer.train import LayerReplay, StreamedCrossEntropy, full_graph_step
 from tiny_models import ARCHS, tiny_model
 
 
@@ -133,5 +133,6 @@ def test_adapter_rejects_other_models():
     a = DecoderAdapter(tiny_model("llama"))
     with pytest.raises(ValueError, match="layer must be in \\[0, 4\\)"):
         a.ffn(4)
-    with pytest.warns(UserWarning, match="layer=35 is outside this model's 4 layers; using 3"):
-        assert a.clamp_layer(35) == 3
+    with pytest.raises(ValueError, match="layer must be in \\[0, 4\\) for this model of 4 layers, got 35"):
+        a.layer_index(35)
+    assert a.layer_index(None) == 2

@@ -28,34 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-
-# EMULATE_BF16 is set only for bfloat16 under the Triton interpreter (tests on
-# CPUs), which gets two bf16 operations wrong that GPUs do natively; with it,
-# the interpreter computes what the GPU does. It is False on GPUs.
-
-
-@triton.jit
-def _dot(a, b, acc, FP32_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    if EMULATE_BF16:
-        # The interpreter multiplies bfloat16 bit patterns as integers in
-        # tl.dot (triton-lang/triton#11584, "not supported yet", 2026-09).
-        # Products of bf16 values are exact in fp32, so upcasting first gives
-        # the tensor cores' result: exact products, fp32 accumulation.
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=FP32_PRECISION)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """x.to(dtype), rounding to nearest even as the GPU's cvt.rn does."""
-    if EMULATE_BF16:
-        # The interpreter's fp32 -> bf16 conversion drops the low 16 bits
-        # (triton/runtime/interpreter.py, _convert_float): half of all casts
-        # came out one ulp toward zero, doubling the rounding error.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(dtype, bitcast=True)
-    return x.to(dtype)
+from resident_trainer.triton_kernels._common import cast as _cast
+from resident_trainer.triton_kernels._common import dot as _dot
+from resident_trainer.triton_kernels._common import dot_precision, emulate_bf16
 
 
 @triton.jit
@@ -277,18 +252,6 @@ class TileConfig:
     num_stages: int
 
 
-def _fp32_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs follow torch's own matmul setting (exact fp32 unless the
-    # caller allowed TF32 with torch.set_float32_matmul_precision).
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return "ieee"
-
-
-def _emulate_bf16(x: torch.Tensor) -> bool:
-    return x.device.type != "cuda" and x.dtype == torch.bfloat16
-
-
 def pick_config(n: int, a: int, dtype: torch.dtype, device: torch.device, three_accumulators: bool) -> TileConfig:
     """Deterministic tile sizes for (n tokens, a neurons). On Hopper-class GPUs,
     128x64 tiles with 64-deep K steps keep the tensor cores fed; three fp32
@@ -346,8 +309,8 @@ def added_expert_forward_triton(
         x, wg, wu, _mask_u8(token_mask, p), h, p,
         x.stride(0), x.stride(1), wg.stride(0), wg.stride(1), h.stride(0), p.stride(0),
         n, d, a,
-        HAS_MASK=token_mask is not None, STORE_H=store_pre, FP32_PRECISION=_fp32_precision(x.dtype),
-        EMULATE_BF16=_emulate_bf16(x),
+        HAS_MASK=token_mask is not None, STORE_H=store_pre, FP32_PRECISION=dot_precision(x.dtype),
+        EMULATE_BF16=emulate_bf16(x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -391,8 +354,8 @@ def added_expert_backward_triton(
         x.stride(0), x.stride(1), wg.stride(0), wg.stride(1),
         hh.stride(0), dh.stride(0), p.stride(0),
         n, d, a,
-        RECOMPUTE=recompute, HAS_MASK=token_mask is not None, FP32_PRECISION=_fp32_precision(x.dtype),
-        EMULATE_BF16=_emulate_bf16(x),
+        RECOMPUTE=recompute, HAS_MASK=token_mask is not None, FP32_PRECISION=dot_precision(x.dtype),
+        EMULATE_BF16=emulate_bf16(x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -18,11 +18,12 @@ tanh is written with exp (tanh(x) = 1 - 2 / (exp(2x) + 1)): exact in the limits
 (+-1 when exp overflows or underflows) and available in the interpreter.
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from resident_trainer.triton_kernels._common import dot, dot_precision, emulate_bf16
 
 
 @triton.jit
@@ -31,20 +32,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    # Triton 3.9's interpreter multiplies bf16 operands as their raw uint16
-    # bits (create_dot has no bf16 case; seen 2026-11). Under the interpreter,
-    # upcast first: bf16 x bf16 products are exact in fp32, as on tensor cores.
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _logit_tile(
     h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd, stride_wv, stride_wd,
     softcap, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """(z, t): the fp32 logit tile (softcapped) and tanh(z_raw / softcap) (or z)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -53,7 +44,7 @@ def _logit_tile(
         dm = ds < D
         hb = tl.load(h_ptr + rows[:, None] * stride_hn + ds[None, :] * stride_hd, mask=row_mask[:, None] & dm[None, :], other=0.0)
         wb = tl.load(w_ptr + cols[:, None] * stride_wv + ds[None, :] * stride_wd, mask=col_mask[:, None] & dm[None, :], other=0.0)
-        acc += _dot(hb, tl.trans(wb), DOT_PRECISION, INTERPRET)
+        acc = dot(hb, tl.trans(wb), acc, DOT_PRECISION, EMULATE_BF16)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     t = acc
@@ -70,7 +61,7 @@ def _lce_partials_kernel(
     N, V, D,
     softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, NEED_SZ: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -85,7 +76,7 @@ def _lce_partials_kernel(
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < V
         z, t = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, INTERPRET)
+                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, EMULATE_BF16)
         if NEED_SZ:
             sz += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
         # the target's logit, from the same tile the softmax sees
@@ -109,12 +100,12 @@ def _lce_partials_kernel(
                 if NEED_A:
                     a_ptrs = a_ptr + rows[:, None] * D + ds[None, :]
                     acc = tl.load(a_ptrs, mask=amask, other=0.0) * alpha[:, None]
-                    acc += _dot(p.to(wb.dtype), wb, DOT_PRECISION, INTERPRET)
+                    acc = dot(p.to(wb.dtype), wb, acc, DOT_PRECISION, EMULATE_BF16)
                     tl.store(a_ptrs, acc, mask=amask)
                 if NEED_B:
                     b_ptrs = bb_ptr + rows[:, None] * D + ds[None, :]
                     accb = tl.load(b_ptrs, mask=amask, other=0.0)
-                    accb += _dot(slope.to(wb.dtype), wb, DOT_PRECISION, INTERPRET)
+                    accb = dot(slope.to(wb.dtype), wb, accb, DOT_PRECISION, EMULATE_BF16)
                     tl.store(b_ptrs, accb, mask=amask)
     tl.store(m_ptr + rows, m, mask=row_mask)
     tl.store(s_ptr + rows, s, mask=row_mask)
@@ -130,7 +121,7 @@ def _lce_weight_grad_kernel(
     N, V, D,
     target_w, smooth, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -141,7 +132,7 @@ def _lce_weight_grad_kernel(
         rows = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         row_mask = rows < N
         z, t = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, INTERPRET)
+                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, EMULATE_BF16)
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
         coef = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
         wtok = tl.load(wtok_ptr + rows, mask=row_mask, other=0.0)
@@ -160,7 +151,7 @@ def _lce_weight_grad_kernel(
             dw_ptrs = dw_ptr + cols[:, None] * D + ds[None, :]
             wmask = col_mask[:, None] & dm[None, :]
             acc = tl.load(dw_ptrs, mask=wmask, other=0.0)
-            acc += _dot(tl.trans(g.to(hb.dtype)), hb, DOT_PRECISION, INTERPRET)
+            acc = dot(tl.trans(g.to(hb.dtype)), hb, acc, DOT_PRECISION, EMULATE_BF16)
             tl.store(dw_ptrs, acc, mask=wmask)
     if NEED_BIAS:
         tl.store(db_ptr + cols, db, mask=col_mask)
@@ -169,16 +160,6 @@ def _lce_weight_grad_kernel(
 # Default tiles for GPUs: 64 tokens x 128 vocabulary rows, D in slices of 64,
 # keep two fp32 tiles (logits, accumulator slice) in registers with 8 warps.
 BLOCKS = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products, as torch matmul does by default;
-    # 16-bit inputs use tensor cores with fp32 accumulation.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def lce_partials_triton(h, w, bias, y_local, softcap, need_a, need_b, need_sz, blocks=None):
@@ -204,7 +185,7 @@ def lce_partials_triton(h, w, bias, y_local, softcap, need_a, need_b, need_sz, b
         n, v, d,
         float(softcap or 0.0),
         HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), NEED_A=need_a, NEED_B=need_b, NEED_SZ=need_sz,
-        DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpreted(), num_warps=8 if h.is_cuda else 1, **bl,
+        DOT_PRECISION=dot_precision(h.dtype), EMULATE_BF16=emulate_bf16(h), num_warps=8 if h.is_cuda else 1, **bl,
     )
     return m, s, zy, a, b, sz
 
@@ -225,6 +206,6 @@ def lce_weight_grad_triton(h, w, bias, y_local, lse, coef, wtok, target_w, smoot
         n, v, d,
         float(target_w), float(smooth), float(softcap or 0.0),
         HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), NEED_BIAS=need_bias,
-        DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpreted(), num_warps=8 if h.is_cuda else 1, **bl,
+        DOT_PRECISION=dot_precision(h.dtype), EMULATE_BF16=emulate_bf16(h), num_warps=8 if h.is_cuda else 1, **bl,
     )
     return dw.to(w.dtype), db

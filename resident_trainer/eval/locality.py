@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from resident_trainer.fit import (
+from resident_trainer.train import (
     ANCHOR_PROMPTS,
     AddedSharedNeurons,
     Fact,
@@ -117,7 +117,7 @@ def teach_and_check(
         p.requires_grad_(False)
     before = {c: generate_greedy(model, tokenizer, c, max_new_tokens) for c in controls}
     anchors = make_anchors(model, tokenizer, anchor_prompts)
-    block = AddedSharedNeurons(a.hidden_size, config.neurons, seed=config.seed, init_std=config.init_std,
+    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed, init_std=config.init_std,
                                dtype=a.head_weight.dtype, device=a.device)
     block.attach(a, config.layer)
     trainer = Trainer(a, block, tokenizer, [t.fact for t in facts], config, anchors=anchors)

@@ -17,6 +17,18 @@ import torch
 from torch import Tensor, nn
 
 
+def layer_index(layer: int | None, num_layers: int, name: str = "layer") -> int:
+    """The layer a setting names in a model of `num_layers` layers: None is the
+    middle layer (num_layers // 2); anything outside [0, num_layers) is an
+    error naming `name` (never clamped: a setting meant for a deeper model
+    should not silently land somewhere else)."""
+    if layer is None:
+        return num_layers // 2
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+        raise ValueError(f"{name} must be in [0, {num_layers}) for this model of {num_layers} layers, got {layer!r}")
+    return layer
+
+
 @dataclass
 class LayerContext:
     """What every decoder layer call needs besides the hidden states."""
@@ -91,12 +103,11 @@ class DecoderAdapter:
     def ffn(self, layer: int) -> nn.Module:
         """Layer `layer`'s feed-forward block (on MoE models the sparse block,
         which holds the shared expert); its input is the normalized hidden."""
-        return self.layers[self.check_layer(layer)].mlp
+        return self.layers[self.layer_index(layer)].mlp
 
-    def check_layer(self, layer: int) -> int:
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer!r}")
-        return layer
+    def layer_index(self, layer: int | None, name: str = "layer") -> int:
+        """`layer` checked against this model (None: the middle layer)."""
+        return layer_index(layer, self.num_layers, name)
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         return self.embed(input_ids)
@@ -128,14 +139,3 @@ class DecoderAdapter:
         named = dict(self.model.named_parameters())
         named.update(self.model.named_buffers())
         return named
-
-    def clamp_layer(self, layer: int, name: str = "layer") -> int:
-        """`layer` clamped into [0, num_layers) with a warning if it was outside
-        (RESIDENT_TRAINER_LAYER defaults to 35, deeper than small models)."""
-        if 0 <= layer < self.num_layers:
-            return layer
-        import warnings
-
-        clamped = min(max(layer, 0), self.num_layers - 1)
-        warnings.warn(f"{name}={layer} is outside this model's {self.num_layers} layers; using {clamped}", stacklevel=2)
-        return clamped

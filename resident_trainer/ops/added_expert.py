@@ -3,7 +3,9 @@
 Read bottom-up: the plain-torch oracle, the torch composition of the fused
 op, the dispatch to the kernels (C++ on CPU: csrc/added_expert_cpu.cpp;
 Triton: triton_kernels/added_expert.py), the torch.library ops with their
-autograd, the tensor-parallel wrappers, the public function, and the module.
+autograd, and the public function (tensor parallelism through
+resident_trainer.ops.collectives). The trainable module built on it is
+resident_trainer.train.AddedSharedNeurons.
 
 Shapes: x (N, D) or (B, T, D); w_gate, w_up (A, D); w_down (D, A). Gate and up
 may come packed as one (2A, D) weight, **gate rows first**:
@@ -28,14 +30,12 @@ the product rounded; every product accumulates in fp32.
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import torch.nn.functional as F
 
 from resident_trainer import _ext
 from resident_trainer.ops._gemm import linear, onednn_supports
+from resident_trainer.ops.collectives import copy_to_ranks, sum_over_ranks
 
 IMPLS = ("auto", "cpu", "torch", "triton", "reference")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -65,10 +65,10 @@ def added_expert_reference(
 
 # --- the fused op from torch ops: any dtype and device ---------------------------
 
-# Products go through resident_trainer.ops._gemm.linear: oneDNN's inner
-# product on CPUs (AVX-512 on AMD, where MKL runs AVX2: 2.5 ms against 6.5 ms
-# for (2048 x 576) @ (576 x 256) fp32 on one thread), torch.mm elsewhere.
-_mm_nt = linear
+# Products go through resident_trainer.ops._gemm.linear (``a @ b.T``):
+# oneDNN's inner product on CPUs where it runs (AVX-512 on AMD, where MKL runs
+# AVX2: 2.5 ms against 6.5 ms for (2048 x 576) @ (576 x 256) fp32 on one
+# thread), torch.mm elsewhere.
 
 
 def _act_forward_torch(h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -111,8 +111,8 @@ def _mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.bfloat16 or not onednn_supports(a.dtype):
         return torch.mm(a.t(), b)
     if a.shape[1] <= b.shape[1]:
-        return _mm_nt(a.t(), b.t())
-    return _mm_nt(b.t(), a.t()).t().contiguous()
+        return linear(a.t(), b.t())
+    return linear(b.t(), a.t()).t().contiguous()
 
 
 def _pack(w_gate: torch.Tensor, w_up: torch.Tensor | None) -> torch.Tensor:
@@ -121,21 +121,21 @@ def _pack(w_gate: torch.Tensor, w_up: torch.Tensor | None) -> torch.Tensor:
 
 
 def _forward_torch(x, w_gate, w_up, w_down, token_mask, store_pre):
-    h = _mm_nt(x, _pack(w_gate, w_up))
+    h = linear(x, _pack(w_gate, w_up))
     p = _act_forward_torch(h, token_mask)
-    out = _mm_nt(p, w_down)
+    out = linear(p, w_down)
     return out, (h if store_pre else h.new_empty((0, h.shape[1])))
 
 
 def _backward_torch(grad_out, x, w_gate, w_up, w_down, h, token_mask, need_dx, need_dwgu, need_dwd):
     w_gate_up = _pack(w_gate, w_up)
     if h is None:
-        h = _mm_nt(x, w_gate_up)
-    dp = _mm_nt(grad_out, w_down.t())
+        h = linear(x, w_gate_up)
+    dp = linear(grad_out, w_down.t())
     dh, p = _act_backward_torch(h, dp, token_mask)
     dw_down = _mm_tn(grad_out, p) if need_dwd else None
     dw_gate_up = _mm_tn(dh, x) if need_dwgu else None
-    dx = _mm_nt(dh, w_gate_up.t()) if need_dx else None
+    dx = linear(dh, w_gate_up.t()) if need_dx else None
     return dx, dw_gate_up, dw_down
 
 
@@ -154,32 +154,20 @@ _HAS_CPU_KERNEL = _ext.has_kernel("added_expert_fused_forward", "CPU")
 _CPU_KERNEL_MAX_D = 1023
 
 
-def _resolve_impl(impl: str, x: torch.Tensor) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    device = x.device
-    if impl == "auto":
-        if device.type == "cuda":
-            _ext.require_triton("added_expert on CUDA (impl='auto')")
-            return "triton"
-        # The compiled kernel covers fp32; for bf16, fp16 and fp64 the torch
-        # composition is the CPU path (oneDNN's bf16 inner product already
-        # runs the CPU's bf16 dot-product instructions).
-        if device.type == "cpu" and x.dtype == torch.float32 and _HAS_CPU_KERNEL and x.shape[-1] <= _CPU_KERNEL_MAX_D:
-            return "cpu"
-        return "torch"
+def resolve_impl(impl: str, x: torch.Tensor) -> str:
+    """The implementation added_expert runs for `impl` and input x (what
+    "auto" picks on this device, dtype and width; explicit choices checked)."""
+    # The compiled kernel covers fp32; for bf16, fp16 and fp64 the torch
+    # composition is the CPU path (oneDNN's bf16 inner product already runs
+    # the CPU's bf16 dot-product instructions where it has them).
+    kernel = x.dtype == torch.float32 and _HAS_CPU_KERNEL and x.shape[-1] <= _CPU_KERNEL_MAX_D
+    impl = _ext.resolve_impl("added_expert", impl, IMPLS, x.device, gpu_auto="triton", cpu_auto="cpu" if kernel else "torch")
     if impl == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"impl='cpu' needs CPU tensors, got x on {device}")
         if x.dtype != torch.float32:
             raise TypeError(f"impl='cpu' (the compiled kernel) takes float32, got {x.dtype}; use impl='auto' or 'torch'")
         _ext.require_extension("added_expert (impl='cpu')")
         if not _HAS_CPU_KERNEL:
             raise RuntimeError("impl='cpu': resident_trainer._C was built without the added_expert kernel; " + _ext.BUILD_HINT)
-    if impl == "triton":
-        _ext.require_triton("added_expert (impl='triton')")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got x on {device}")
     return impl
 
 
@@ -301,68 +289,18 @@ def _backward(ctx, grad_out, grad_h):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --- tensor parallelism: A neurons split over the ranks -------------------------
-
-
-class _CopyToRanks(torch.autograd.Function):
-    """Identity forward; the backward sums the ranks' partial dx."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-
-        # A fresh contiguous buffer: the incoming gradient may be a strided or
-        # expanded view, and all_reduce works in place.
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Sums the ranks' partial outputs; identity backward (every rank gets the
-    same output gradient)."""
-
-    @staticmethod
-    def forward(ctx, out, group):
-        import torch.distributed as dist
-
-        if out.is_contiguous():
-            ctx.mark_dirty(out)  # our op's fresh output: summed in place
-        else:
-            out = out.contiguous()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 # --- public API -----------------------------------------------------------------
 
 
-def _check_tensor(t, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    return t
-
-
 def _check_inputs(x, w_gate, w_up, w_down, token_mask):
-    x = _check_tensor(x, "x")
+    x = _ext.check_tensor(x, "x")
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be (N, D) or (B, T, D), got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"x must be one of {[str(d) for d in _DTYPES]}, got {x.dtype}")
     d = x.shape[-1]
-    w_gate = _check_tensor(w_gate, "w_gate")
-    w_down = _check_tensor(w_down, "w_down")
+    w_gate = _ext.check_tensor(w_gate, "w_gate")
+    w_down = _ext.check_tensor(w_down, "w_down")
     named = [("w_gate", w_gate), ("w_down", w_down)]
     if w_up is None:
         if w_gate.dim() != 2 or w_gate.shape[0] % 2 or w_gate.shape[1] != d:
@@ -371,7 +309,7 @@ def _check_inputs(x, w_gate, w_up, w_down, token_mask):
             )
         a = w_gate.shape[0] // 2
     else:
-        w_up = _check_tensor(w_up, "w_up")
+        w_up = _ext.check_tensor(w_up, "w_up")
         named.append(("w_up", w_up))
         if w_gate.dim() != 2 or w_gate.shape[1] != d:
             raise ValueError(f"w_gate must be (A, D={d}), got shape {tuple(w_gate.shape)}")
@@ -386,7 +324,7 @@ def _check_inputs(x, w_gate, w_up, w_down, token_mask):
         if w.device != x.device:
             raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
     if token_mask is not None:
-        token_mask = _check_tensor(token_mask, "token_mask")
+        token_mask = _ext.check_tensor(token_mask, "token_mask")
         if token_mask.dtype != torch.bool:
             raise TypeError(f"token_mask must be a bool tensor, got {token_mask.dtype}")
         if token_mask.shape != x.shape[:-1]:
@@ -428,12 +366,12 @@ def added_expert(
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
     _check_inputs(x, w_gate, w_up, w_down, token_mask)
-    impl = _resolve_impl(impl, x)
+    impl = resolve_impl(impl, x)
     lead, d = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d)
     mask = None if token_mask is None else token_mask.reshape(-1)
     if process_group is not None:
-        x2 = _CopyToRanks.apply(x2, process_group)
+        x2 = copy_to_ranks(x2, process_group)
     if impl == "reference":
         out = added_expert_reference(x2, w_gate, w_up, w_down, mask)
     else:
@@ -441,40 +379,5 @@ def added_expert(
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w_gate, w_up, w_down))
         out, _ = _forward_op(x2, w_gate, w_up, w_down, mask, grad and not recompute, impl)
     if process_group is not None:
-        out = _SumOverRanks.apply(out, process_group)
+        out = sum_over_ranks(out, process_group)
     return out.reshape(*lead, d)
-
-
-class AddedExpert(torch.nn.Module):
-    """A block of `n_neurons` SwiGLU neurons on `d_model`, weights kept packed:
-    ``w_gate_up`` (2A, D), gate rows first, and ``w_down`` (D, A). ``w_down``
-    starts at zero, so a fresh block adds nothing to the residual stream.
-    Under tensor parallelism, n_neurons is this rank's share."""
-
-    def __init__(
-        self,
-        d_model: int,
-        n_neurons: int,
-        *,
-        recompute: bool = False,
-        process_group=None,
-        impl: str = "auto",
-        device=None,
-        dtype=None,
-    ):
-        super().__init__()
-        kw = {"device": device, "dtype": dtype}
-        self.recompute, self.process_group, self.impl = recompute, process_group, impl
-        self.w_gate_up = torch.nn.Parameter(torch.empty(2 * n_neurons, d_model, **kw))
-        self.w_down = torch.nn.Parameter(torch.zeros(d_model, n_neurons, **kw))
-        torch.nn.init.kaiming_uniform_(self.w_gate_up, a=math.sqrt(5))
-
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return added_expert(
-            x, self.w_gate_up, None, self.w_down, token_mask=token_mask, recompute=self.recompute,
-            process_group=self.process_group, impl=self.impl,
-        )  # fmt: skip
-
-    def extra_repr(self) -> str:
-        a, d = self.w_gate_up.shape[0] // 2, self.w_gate_up.shape[1]
-        return f"d_model={d}, n_neurons={a}, recompute={self.recompute}"

@@ -128,10 +128,9 @@ _CHUNK_BYTES = 64 << 20
 
 
 def _check_tensor(t: object, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    """The tensor whose bits are hashed: dense, not on the meta device,
+    detached, conjugate and negative views resolved."""
+    t = _ext.check_tensor(t, name)
     if t.device.type == "meta":
         raise ValueError(f"{name} is on the meta device and has no contents to fingerprint")
     t = t.detach()
@@ -161,7 +160,7 @@ def _byte_chunks(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> Iterator[t
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
     gpu = "cuda" if _ext.has_kernel("fingerprint_lanes", "CUDA") else "triton"
-    return _ext.resolve_impl("fingerprint", impl, IMPLS, device, gpu)
+    return _ext.resolve_impl("fingerprint", impl, IMPLS, device, gpu_auto=gpu)
 
 
 def _aligned(data: torch.Tensor) -> torch.Tensor:
@@ -327,7 +326,9 @@ class FingerprintTable:
         return {"digest": self.hex, "tensors": {n: f"{d:016x}" for n, d in self.digests.items()}}
 
 
-def _table_digest(digests: Mapping[str, int]) -> int:
+def table_digest(digests: Mapping[str, int]) -> int:
+    """The combined digest of a table of per-tensor digests (name -> digest),
+    independent of the order of the names."""
     values = [_TABLE_TAG, len(digests)]
     for name in sorted(digests):
         values += [_fnv1a64(name.encode()), digests[name]]
@@ -372,4 +373,4 @@ def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, 
         for i, v in zip(idxs, torch.stack([lanes[i] for i in idxs]).cpu().tolist()):
             values[i] = v
     digests = {name: finalize(v[0], v[1], dt, shape) for (name, dt, shape), v in zip(metas, values)}
-    return FingerprintTable(digests, _table_digest(digests))
+    return FingerprintTable(digests, table_digest(digests))

@@ -64,7 +64,7 @@ def linear_cross_entropy_reference(
     `matmul_dtype` (default: `dtype`) is the dtype of the product itself:
     ``matmul_dtype=torch.bfloat16`` is what torch does for bf16 inputs.
 
-    Per token: ``lse - (1 - eps) z_y - eps * mean_c z_c + z_loss * lse**2``, 0 for
+    Per token: ``lse - (1 - label_smoothing) z_y - label_smoothing * mean_c z_c + z_loss * lse**2``, 0 for
     ignored tokens; "mean" divides by the number of non-ignored tokens (0 when
     there are none, where torch returns NaN)."""
     d = linear_weight.shape[-1]
@@ -105,17 +105,22 @@ def _reduce(loss_tok: Tensor, valid: Tensor, reduction: str, shape) -> Tensor:
 
 @dataclass
 class Partials:
-    """Per token, over this shard's vocabulary: running max `m`, `s = sum exp(z - m)`,
-    `a = sum exp(z - m) * softcap'(z) * W_c` (N, D) and, with softcap and label
-    smoothing, `b = sum softcap'(z) W_c` (N, D); `sz = sum z` only with softcap
-    and label smoothing (otherwise it is h . colsum(W) + sum(bias))."""
+    """Per token, over this shard's vocabulary tiles, with z the (softcapped)
+    logits and m the running max:
 
-    m: Tensor
-    s: Tensor
-    zy: Tensor
-    a: Tensor | None = None
-    b: Tensor | None = None
-    sz: Tensor | None = None
+    row_max: m; sum_exp: sum_c exp(z_c - m); target_logit: z_y where this
+    shard holds the target (0 elsewhere); softmax_w: sum_c exp(z_c - m)
+    softcap'(z_c) W_c (N, D), the unnormalised softmax-weighted head rows (for
+    dh); slope_w: sum_c softcap'(z_c) W_c (N, D), only with softcap and label
+    smoothing; logit_sum: sum_c z_c, only with softcap and label smoothing
+    (otherwise it is h . colsum(W) + sum(bias), computed without tiles)."""
+
+    row_max: Tensor
+    sum_exp: Tensor
+    target_logit: Tensor
+    softmax_w: Tensor | None = None
+    slope_w: Tensor | None = None
+    logit_sum: Tensor | None = None
 
 
 # Vocabulary tile and token block of the CPU path: 1024-row vocabulary tiles
@@ -139,21 +144,23 @@ def _logit_tile_cpu(hb: Tensor, wt: Tensor, bias: Tensor | None) -> Tensor:
     return z
 
 
-def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap: float, need_a: bool, need_b: bool, need_sz: bool) -> Partials:
+def _partials_cpu(
+    h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap: float, need_softmax_w: bool, need_slope_w: bool, need_logit_sum: bool
+) -> Partials:
     _ext.require_extension("linear_cross_entropy (impl='cpu')")
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
-    m = torch.full((n,), float("-inf"), **f32)
-    s = torch.zeros(n, **f32)
-    a = torch.zeros(n, d, **f32) if need_a else None
-    b = torch.zeros(n, d, **f32) if need_b else None
-    sz = torch.zeros(n, **f32) if need_sz else None
-    zy = torch.zeros(n, **f32)
+    row_max = torch.full((n,), float("-inf"), **f32)
+    sum_exp = torch.zeros(n, **f32)
+    softmax_w = torch.zeros(n, d, **f32) if need_softmax_w else None
+    slope_w = torch.zeros(n, d, **f32) if need_slope_w else None
+    logit_sum = torch.zeros(n, **f32) if need_logit_sum else None
+    target_logit = torch.zeros(n, **f32)
     yl = yl.contiguous()
     # One softcap slope tile reused for every tile: the peak stays at a few
     # tiles' worth however large V is.
-    slope_buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32) if softcap and (need_a or need_b) else None
+    slope_buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32) if softcap and (need_softmax_w or need_slope_w) else None
     ops = torch.ops.resident_trainer
     for n0 in range(0, n, CPU_BLOCK_N):
         n1 = min(n, n0 + CPU_BLOCK_N)
@@ -165,17 +172,18 @@ def _partials_cpu(h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap
             slope = _tile(slope_buf, n1 - n0, v1 - v0) if slope_buf is not None else None
             # softcap, running max / sum-exp, p = exp(z - m) (times softcap'
             # for the dh accumulator) in one pass over the tile
-            # (the kernel also rescales the rows of A whose max moved, and
+            # (the kernel also rescales the rows of softmax_w whose max moved, and
             # picks up each target's logit when this tile holds it)
             ops.lce_online_update(
-                z, m[n0:n1], s[n0:n1], slope, None if sz is None else sz[n0:n1], None if a is None else a[n0:n1],
-                yl[n0:n1], zy[n0:n1], v0, float(softcap), bool(need_a and softcap),
+                z, row_max[n0:n1], sum_exp[n0:n1], slope, None if logit_sum is None else logit_sum[n0:n1],
+                None if softmax_w is None else softmax_w[n0:n1], yl[n0:n1], target_logit[n0:n1], v0, float(softcap),
+                bool(need_softmax_w and softcap),
             )
-            if need_a:
-                a[n0:n1].add_(linear(z, wt.T))
-            if need_b:
-                b[n0:n1].add_(linear(slope, wt.T))
-    return Partials(m, s, zy, a, b, sz)
+            if need_softmax_w:
+                softmax_w[n0:n1].add_(linear(z, wt.T))
+            if need_slope_w:
+                slope_w[n0:n1].add_(linear(slope, wt.T))
+    return Partials(row_max, sum_exp, target_logit, softmax_w, slope_w, logit_sum)
 
 
 def _weight_grad_cpu(
@@ -234,7 +242,7 @@ _GATHER_ROWS = 256
 CPU_CHUNK_BYTES = 32 << 20
 
 
-def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bias):
+def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, label_smoothing, softcap, z_loss, group, need_dh, need_bias):
     """Loss, lse, dh and the unit-weight dW/dbias in one pass over token chunks,
     each chunk's full logit rows kept (as vocabulary tiles) within a bounded
     budget: 2NDV for the logits, 2NDV for dh, 2NDV for dW, no recompute. Valid
@@ -279,7 +287,7 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, ep
                 zy[rows] = z[rows, ylc[rows] - v0]
             tiles.append(z)
             slopes.append(slope)
-        sz = zsum if (eps and softcap) else sz_all[n0:n1]
+        sz = zsum if (label_smoothing and softcap) else sz_all[n0:n1]
         if group is not None:
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
         s_loc = torch.zeros(c, **f32)
@@ -291,19 +299,19 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, ep
         s_tot, zy_c, sz = stats.unbind(0)
         lse_c = big_m + torch.log(s_tot)
         lse[n0:n1] = lse_c
-        loss_c = lse_c - (1.0 - eps) * zy_c
-        if eps:
-            loss_c = loss_c - (eps / vocab) * sz
-        if zl:
-            loss_c = loss_c + zl * lse_c.square()
+        loss_c = lse_c - (1.0 - label_smoothing) * zy_c
+        if label_smoothing:
+            loss_c = loss_c - (label_smoothing / vocab) * sz
+        if z_loss:
+            loss_c = loss_c + z_loss * lse_c.square()
         vc = valid[n0:n1]
         loss[n0:n1] = torch.where(vc, loss_c, torch.zeros_like(loss_c))
-        # G = valid * (softmax * (1 + 2 zl lse) - (1 - eps) onehot - eps / V) * softcap'
+        # G = valid * (softmax * (1 + 2 z_loss lse) - (1 - label_smoothing) onehot - label_smoothing / V) * softcap'
         wtok = vc.float()
-        coef = wtok * (1.0 + 2.0 * zl * lse_c) if zl else wtok
+        coef = wtok * (1.0 + 2.0 * z_loss * lse_c) if z_loss else wtok
         dh_c = dh[n0:n1] if need_dh else None
         for (v0, v1), g, slope in zip(bounds, tiles, slopes):
-            ops.lce_grad_tile(g, lse_c, coef, wtok, ylc, v0, 1.0 - eps, eps / vocab, 0.0, slope)
+            ops.lce_grad_tile(g, lse_c, coef, wtok, ylc, v0, 1.0 - label_smoothing, label_smoothing / vocab, 0.0, slope)
             wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
             if need_dh:
                 dh_c.add_(linear(g, wt.T))
@@ -323,16 +331,16 @@ def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, ep
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
-    return _ext.resolve_impl("linear_cross_entropy", impl, IMPLS, device, "triton")
+    return _ext.resolve_impl("linear_cross_entropy", impl, IMPLS, device, gpu_auto="triton")
 
 
-def _partials(h, w, bias, yl, softcap, need_a, need_b, need_sz, impl) -> Partials:
+def _partials(h, w, bias, yl, softcap, need_softmax_w, need_slope_w, need_logit_sum, impl) -> Partials:
     if impl == "triton":
         _ext.require_triton("linear_cross_entropy (impl='triton')")
         from resident_trainer.triton_kernels.linear_cross_entropy import lce_partials_triton
 
-        return Partials(*lce_partials_triton(h, w, bias, yl, softcap, need_a, need_b, need_sz))
-    return _partials_cpu(h, w, bias, yl, softcap, need_a, need_b, need_sz)
+        return Partials(*lce_partials_triton(h, w, bias, yl, softcap, need_softmax_w, need_slope_w, need_logit_sum))
+    return _partials_cpu(h, w, bias, yl, softcap, need_softmax_w, need_slope_w, need_logit_sum)
 
 
 def _weight_grad(h, w, bias, y_local, lse, coef, wtok, target_w, smooth, softcap, need_bias, impl):
@@ -379,7 +387,7 @@ def _local_targets(y: Tensor, ignore_index: int, vocab_start: int, v_local: int)
     return valid, torch.where(mine, yl, torch.full_like(yl, -1))
 
 
-def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
+def _forward(h, w, bias, y, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
     n, d = h.shape
     v_local = w.shape[0]
     group = _resolve_group(group_name)
@@ -403,9 +411,9 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         return torch.zeros(0, **f32), torch.zeros(0, **f32), torch.zeros(0, d, **f32) if need_dh else empty(), empty(), vtot, dw, db
 
     mine = yl >= 0
-    smooth_per_tile = bool(softcap and eps)
+    smooth_per_tile = bool(softcap and label_smoothing)
     colsum = None
-    if eps and not smooth_per_tile:
+    if label_smoothing and not smooth_per_tile:
         # sum_c z_c = h . sum_c W_c + sum_c b_c: no per-tile work without softcap.
         colsum = w.sum(0, dtype=torch.float32)
         sz = h.float() @ colsum
@@ -415,45 +423,45 @@ def _forward(h, w, bias, y, ignore_index, eps, softcap, zl, vocab_start, group_n
         sz = torch.zeros(n, **f32)
     if weights_in_forward:
         loss, lse, dh, dw, db = _forward_weight_grad_cpu(
-            h, w, bias, valid, yl, sz, vocab, v_largest, eps, softcap, zl, group, need_dh, need_bgrad
+            h, w, bias, valid, yl, sz, vocab, v_largest, label_smoothing, softcap, z_loss, group, need_dh, need_bgrad
         )
         return loss, lse, dh, empty(), vtot, dw, db
 
     parts = _partials(h, w, bias, yl, softcap, need_dh, need_dh and smooth_per_tile, smooth_per_tile, impl)
-    zy = parts.zy
-    if parts.sz is not None:
-        sz = parts.sz
-    m = parts.m
+    zy = parts.target_logit
+    if parts.logit_sum is not None:
+        sz = parts.logit_sum
+    m = parts.row_max
     big_m = m.clone()
     if group is not None:
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
     scale = torch.exp(m - big_m)
-    stats = torch.stack([parts.s * scale, zy, sz])
+    stats = torch.stack([parts.sum_exp * scale, zy, sz])
     if group is not None:
         dist.all_reduce(stats, group=group)
     s_tot, zy, sz = stats.unbind(0)
     lse = big_m + torch.log(s_tot)
-    loss = lse - (1.0 - eps) * zy
-    if eps:
-        loss = loss - (eps / vocab) * sz
-    if zl:
-        loss = loss + zl * lse.square()
+    loss = lse - (1.0 - label_smoothing) * zy
+    if label_smoothing:
+        loss = loss - (label_smoothing / vocab) * sz
+    if z_loss:
+        loss = loss + z_loss * lse.square()
     loss = torch.where(valid, loss, torch.zeros_like(loss))
 
     dh, p = empty(), empty()
     if need_dh:
         # softmax(z) W (softcap-aware), this shard's part, in global normalisation
-        p = parts.a.mul_((scale / s_tot)[:, None])
-        dh = p * (1.0 + 2.0 * zl * lse)[:, None] if (zl or need_p) else p
+        p = parts.softmax_w.mul_((scale / s_tot)[:, None])
+        dh = p * (1.0 + 2.0 * z_loss * lse)[:, None] if (z_loss or need_p) else p
         all_rows = mine.nonzero().squeeze(1)
         for r0 in range(0, all_rows.numel(), _GATHER_ROWS):
             rows = all_rows[r0 : r0 + _GATHER_ROWS]
-            ky = torch.full((rows.numel(),), -(1.0 - eps), **f32)
+            ky = torch.full((rows.numel(),), -(1.0 - label_smoothing), **f32)
             if softcap:  # the target's softcap slope, 1 - tanh^2, from its capped logit
                 ky = ky * (1.0 - (zy[rows] / softcap).square())
             dh.index_put_((rows,), w[yl[rows]].float().mul_(ky[:, None]), accumulate=True)
-        if eps:
-            dh.sub_((eps / vocab) * (parts.b if parts.b is not None else colsum[None, :]))
+        if label_smoothing:
+            dh.sub_((label_smoothing / vocab) * (parts.slope_w if parts.slope_w is not None else colsum[None, :]))
         dh.mul_(valid[:, None])
         if group is not None:
             if need_p:
@@ -521,7 +529,7 @@ def _(input, weight, bias, y_local, lse, coef, wtok, label_smoothing, vocab_tota
 
 
 def _setup_context(ctx, inputs, output):
-    (input, weight, bias, target, ignore_index, eps, softcap, zl, vocab_start, _group, need_dh, need_p, _nw, _nb, impl) = inputs
+    (input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, _group, need_dh, need_p, _nw, _nb, impl) = inputs
     _loss, lse, dh, p, vtot, dw, db = output
     ctx.save_for_backward(input, weight, bias, target, lse, dh, p, vtot, dw, db)
     # Only loss and lse carry gradients. Without these two calls autograd
@@ -529,12 +537,12 @@ def _setup_context(ctx, inputs, output):
     # extra (V, D) fp32 buffer for dW alone.
     ctx.mark_non_differentiable(dh, p, vtot, dw, db)
     ctx.set_materialize_grads(False)
-    ctx.cfg = (ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl)
+    ctx.cfg = (ignore_index, label_smoothing, softcap, z_loss, vocab_start, need_dh, need_p, impl)
 
 
 def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot, _g_dw, _g_db):
     input, weight, bias, target, lse, dh, p, vtot, dw_unit, db_unit = ctx.saved_tensors
-    ignore_index, eps, softcap, zl, vocab_start, need_dh, need_p, impl = ctx.cfg
+    ignore_index, label_smoothing, softcap, z_loss, vocab_start, need_dh, need_p, impl = ctx.cfg
     if g_loss is None:  # only the lse was used
         g_loss = torch.zeros_like(lse)
     d_input = d_weight = d_bias = None
@@ -560,11 +568,11 @@ def _backward(ctx, g_loss, g_lse, _g_dh, _g_p, _g_vtot, _g_dw, _g_db):
     elif ctx.needs_input_grad[1] or need_bias:
         valid, yl = _local_targets(target, ignore_index, vocab_start, weight.shape[0])
         wtok = torch.where(valid, g_loss, torch.zeros_like(g_loss)).float()
-        coef = wtok * (1.0 + 2.0 * zl * lse) if zl else wtok
+        coef = wtok * (1.0 + 2.0 * z_loss * lse) if z_loss else wtok
         if g_lse is not None:
             coef = coef + g_lse
         dw, db = torch.ops.resident_trainer.linear_cross_entropy_weight_grad(
-            input, weight, bias, yl, lse, coef, wtok, eps, vtot, softcap, need_bias, impl
+            input, weight, bias, yl, lse, coef, wtok, label_smoothing, vtot, softcap, need_bias, impl
         )
         d_weight = dw if ctx.needs_input_grad[1] else None
         d_bias = db.to(bias.dtype) if need_bias else None

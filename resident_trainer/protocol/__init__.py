@@ -4,17 +4,16 @@ together on every rank of a tensor-parallel serving group.
 The state machines (`HeadServer`/`WorkerServer` and the `HeadJob`/`WorkerJob`
 they run) take their store, clock, serving link, filesystem and job body as
 arguments and never block, so the seeded simulation in
-`resident_trainer.protocol.sim` drives the same code that runs over a real
-TCPStore (`resident_trainer.protocol.pair` runs it in real processes).
+`resident_trainer.testing` drives the same code that runs over a real
+TCPStore (`resident_trainer.integrations.torchdist.pair` runs it in real
+processes). Nothing here imports torch or the training code: an engine
+integration brings the job body, the store and the serving link.
 docs/ARCHITECTURE.md walks one job through both ranks and lists every
 failure and its handling.
-
-Submodules not imported here: ``sim`` (the simulation and its checker) and
-``pair`` (a minimal serving pair over TCPStore and gloo).
 """
 
 from resident_trainer.protocol.authority import authority_ok
-from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, MemorySample, system_sampler
+from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, MemorySample
 from resident_trainer.protocol.channel import Record, TrainerChannel
 from resident_trainer.protocol.checkpoint import CheckpointStore, CorruptCheckpoint, Manifest
 from resident_trainer.protocol.clock import Clock, MonotonicClock, WallClock
@@ -31,7 +30,6 @@ from resident_trainer.protocol.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from resident_trainer.protocol.frozen import FrozenFingerprint
 from resident_trainer.protocol.fs import FileSystem, LocalFileSystem, MemoryFileSystem
 from resident_trainer.protocol.hotload import StagedCode
 from resident_trainer.protocol.job import (
@@ -51,7 +49,7 @@ from resident_trainer.protocol.records import RecordLog, dump_all_stacks
 from resident_trainer.protocol.recovery import GroupControl, GroupState, Recovery, RecoveryResult, admits
 from resident_trainer.protocol.server import HeadServer, WorkerServer
 from resident_trainer.protocol.serving import Chat, OpKind, ServingOp, StoreServingLink
-from resident_trainer.protocol.store import MAX_VALUE_BYTES, KVStore, MemoryKVStore, TorchKVStore
+from resident_trainer.protocol.store import MAX_VALUE_BYTES, KVStore, MemoryKVStore
 
 __all__ = [
     "MAX_VALUE_BYTES",
@@ -64,7 +62,6 @@ __all__ = [
     "FencedLock",
     "FencedOut",
     "FileSystem",
-    "FrozenFingerprint",
     "GroupControl",
     "GroupLost",
     "GroupState",
@@ -102,7 +99,6 @@ __all__ = [
     "StoreTimeout",
     "StoreUnavailable",
     "Timeouts",
-    "TorchKVStore",
     "TrainerChannel",
     "Verdict",
     "Wake",
@@ -112,5 +108,4 @@ __all__ = [
     "admits",
     "authority_ok",
     "dump_all_stacks",
-    "system_sampler",
 ]

@@ -114,26 +114,3 @@ class BudgetMonitor:
             self._stop.set()
             self._thread.join()
             self._thread = None
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable line")
-
-
-def system_sampler(workspace: Callable[[], int], device: str = "cpu") -> Callable[[], MemorySample]:
-    """A sampler for a real process: free memory of `device` (MemAvailable on
-    the CPU, ``torch.cuda.mem_get_info`` on a GPU) and `workspace()` bytes."""
-    if device == "cpu":
-        free = _mem_available
-    elif device.startswith("cuda"):
-        import torch
-
-        def free() -> int:
-            return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    else:
-        raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {device!r}")
-    return lambda: MemorySample(free(), int(workspace()))

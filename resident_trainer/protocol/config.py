@@ -8,14 +8,15 @@
 | RESIDENT_TRAINER_STATE_DIR | runs/state | the recovery lock and the group's state |
 | RESIDENT_TRAINER_MASTER_PORT | 29551 | the rendezvous store's port |
 | RESIDENT_TRAINER_HOST | 127.0.0.1 | address servers bind (loopback unless set) |
-| RESIDENT_TRAINER_LAYER | 35 | layer the added neurons sit at |
-| RESIDENT_TRAINER_WATCH_LAYER | 44 | a later layer fingerprinted separately |
+| RESIDENT_TRAINER_LAYER | unset | layer the added neurons sit at (unset: the model's middle layer) |
+| RESIDENT_TRAINER_WATCH_LAYER | unset | a layer fingerprinted separately (unset: the last layer) |
 | RESIDENT_TRAINER_MEMORY_FLOOR | 1 GiB | abort when free device memory drops below this |
 | RESIDENT_TRAINER_WORKSPACE_CEILING | 2 GiB | abort when the job's private workspace exceeds this |
 | RESIDENT_TRAINER_HOTLOAD | 0 | 1 allows authorised hot-loads |
 | RESIDENT_TRAINER_TIMEOUT | 10 | seconds the head waits for every rank at a boundary |
 
-Layers are clamped to the model's depth with a warning (`with_depth`).
+The layers are checked against the model by the job body that uses them
+(resident_trainer.models.layer_index): one outside the model is an error.
 Reading the environment happens only in `from_env`, never at import.
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -80,8 +80,8 @@ class ProtocolConfig:
     state_dir: str = "runs/state"
     master_port: int = 29551
     host: str = "127.0.0.1"
-    layer: int = 35
-    watch_layer: int = 44
+    layer: int | None = None
+    watch_layer: int | None = None
     memory_floor: int = 1 << 30
     workspace_ceiling: int = 2 << 30
     hotload: bool = False
@@ -96,7 +96,11 @@ class ProtocolConfig:
                 raise ValueError(f"{name} must be a non-empty str, got {v!r}")
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be an int in 1..65535, got {self.master_port!r}")
-        for name in ("layer", "watch_layer", "memory_floor", "workspace_ceiling"):
+        for name in ("layer", "watch_layer"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be None or a non-negative int, got {v!r}")
+        for name in ("memory_floor", "workspace_ceiling"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -116,7 +120,7 @@ class ProtocolConfig:
         def text(name: str, default: str) -> str:
             return env.get(ENV_PREFIX + name, default)
 
-        def integer(name: str, default: int) -> int:
+        def integer(name: str, default: int | None) -> int | None:
             raw = env.get(ENV_PREFIX + name)
             if raw is None or raw == "":
                 return default
@@ -159,20 +163,3 @@ class ProtocolConfig:
             hotload=flag("HOTLOAD"),
             timeouts=timeouts,
         )
-
-    def with_depth(self, depth: int) -> ProtocolConfig:
-        """This config with `layer` and `watch_layer` clamped to a model of
-        `depth` layers (0 .. depth-1), warning for each one that moved."""
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"depth must be a positive int (number of layers), got {depth!r}")
-        changes = {}
-        for name in ("layer", "watch_layer"):
-            v = getattr(self, name)
-            if v > depth - 1:
-                warnings.warn(
-                    f"{ENV_PREFIX}{name.upper()}={v} is past the model's last layer; using {depth - 1} "
-                    f"(the model has {depth} layers)",
-                    stacklevel=2,
-                )
-                changes[name] = depth - 1
-        return dataclasses.replace(self, **changes) if changes else self

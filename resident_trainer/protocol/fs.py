@@ -14,9 +14,10 @@ import contextlib
 import fcntl
 import os
 import posixpath
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import ContextManager, Protocol, runtime_checkable
+
+from resident_trainer._files import write_atomic
 
 
 @runtime_checkable
@@ -54,25 +55,7 @@ class LocalFileSystem:
             return None
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        # The rename itself is durable only once the directory entry is.
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(path, data)
 
     def append_line(self, path: str, line: str) -> None:
         if "\n" in line:

@@ -70,6 +70,24 @@ class Verdict(str, Enum):
     ABORT = "abort"
 
 
+class JobState(str, Enum):
+    """Where one rank's machine is within a job (both sides share the names;
+    each side uses its own subset)."""
+
+    VOTE = "vote"  # compute this rank's vote at the current boundary
+    COLLECT = "collect"  # head: gather the workers' reports until the deadline
+    DECIDE = "decide"  # head: claim the boundary's decision slot
+    WAIT = "wait"  # worker: wait for the head's decision
+    PAUSE = "pause"  # a PAUSE decision: serve before the step
+    PAUSE_SERVE = "pause_serve"  # head: one serving iteration
+    PAUSE_RESUME = "pause_resume"  # head: queue RESUME
+    PAUSE_FLUSH = "pause_flush"  # head: send SERVE and RESUME before stepping
+    PAUSED = "paused"  # worker: execute serving ops until RESUME
+    STEP = "step"  # run the microbatch
+    FINISH = "finish"  # the job's outcome is known
+    FINISH_LOCAL = "finish_local"  # worker: ack posted (or job abandoned); end the body
+
+
 FINAL = frozenset({Verdict.CANCEL, Verdict.ABORT, Verdict.PUBLISH, Verdict.DONE})
 
 
@@ -125,14 +143,25 @@ class JobSpec:
         return cls(d["name"], JobKind(d["kind"]), int(d["steps"]) or 1, d["root"], "", tuple(d.get("modules", ())))
 
 
-def boundary_kind(spec: JobSpec, b: int) -> str:
+class BoundaryKind(str, Enum):
+    """What a boundary is for (the table at the top of this module)."""
+
+    SEAL = "seal"
+    STEP = "step"
+    VERIFY = "verify"
+    COMMIT = "commit"
+    LOAD = "load"
+    LOADED = "loaded"
+
+
+def boundary_kind(spec: JobSpec, b: int) -> BoundaryKind:
     if b == SEAL:
-        return "seal"
+        return BoundaryKind.SEAL
     if spec.kind is JobKind.HOTLOAD:
-        return "load" if b == 0 else "loaded"
+        return BoundaryKind.LOAD if b == 0 else BoundaryKind.LOADED
     if b < spec.steps:
-        return "step"
-    return "verify" if b == spec.steps else "commit"
+        return BoundaryKind.STEP
+    return BoundaryKind.VERIFY if b == spec.steps else BoundaryKind.COMMIT
 
 
 class JobBody(Protocol):
@@ -250,10 +279,10 @@ class JobRun:
         self.spec = spec
         self.serial = serial
         self.msg = msg
-        self.t = ctx.config.timeouts
+        self.timeouts = ctx.config.timeouts
         self.body: JobBody | None = None
-        self.b = SEAL
-        self.state = "vote"
+        self.boundary = SEAL
+        self.state = JobState.VOTE
         self.outcome: Outcome | None = None
         self.finished = False
         self.vote: dict[str, Any] | None = None
@@ -279,11 +308,11 @@ class JobRun:
         return self.ctx.clock.now()
 
     def phase(self, name: str, **fields: Any) -> None:
-        self.ctx.log.phase(self.spec.name, name, serial=self.serial, b=self.b, **fields)
+        self.ctx.log.phase(self.spec.name, name, serial=self.serial, b=self.boundary, **fields)
 
     def timed_out(self, what: str, deadline: float) -> str:
         now = self.now()
-        reason = f"rank {self.rank}: {what} (boundary {self.b}, waited until {deadline:.3f}, now {now:.3f})"
+        reason = f"rank {self.rank}: {what} (boundary {self.boundary}, waited until {deadline:.3f}, now {now:.3f})"
         self.phase("timeout", what=what, deadline=round(deadline, 6), late=round(now - deadline, 6))
         self.ctx.log.stacks(reason)
         return reason
@@ -298,9 +327,9 @@ class JobRun:
             if self.store_down_since is None:
                 self.store_down_since = now
                 self.phase("store_error", error=str(exc))
-            if now - self.store_down_since >= self.t.group:
+            if now - self.store_down_since >= self.timeouts.group:
                 raise GroupLost(f"rank {self.rank}: store failing for {now - self.store_down_since:.3f}s: {exc}") from exc
-            return Wake(now + self.t.poll)
+            return Wake(now + self.timeouts.poll)
         self.store_down_since = None
         return wake
 
@@ -319,14 +348,14 @@ class JobRun:
 
     def local_vote(self) -> dict[str, Any]:
         """This rank's vote at the current boundary (computed once per boundary)."""
-        kind = boundary_kind(self.spec, self.b)
+        kind = boundary_kind(self.spec, self.boundary)
         vote: dict[str, Any] = {"abort": None}
 
         def abort(why: str | None) -> None:
             if why and vote["abort"] is None:
                 vote["abort"] = why
 
-        if kind == "seal":
+        if kind is BoundaryKind.SEAL:
             abort(self.seal_vote())
             vote["msg"] = self.msg
             return vote
@@ -336,14 +365,14 @@ class JobRun:
         abort(f"rank {self.rank}: {breach}" if breach else None)
         if self.ctx.fs.exists(self.spec.stop_path):
             abort(f"rank {self.rank}: STOP file {self.spec.stop_path}")
-        if kind == "verify" and vote["abort"] is None:
+        if kind is BoundaryKind.VERIFY and vote["abort"] is None:
             after, err = self._body_call("fingerprint after the job", lambda: dict(self.body.fingerprint()))
             self.fp_after = after
             abort(err)
             if after is not None:
                 changed = sorted(k for k in set(after) | set(self.fp_before or {}) if after.get(k) != (self.fp_before or {}).get(k))
                 abort(f"rank {self.rank}: frozen fingerprint changed: {', '.join(changed)}" if changed else None)
-        if kind == "commit" and vote["abort"] is None:
+        if kind is BoundaryKind.COMMIT and vote["abort"] is None:
             digest, err = self._body_call(
                 "checkpoint",
                 lambda: self.ctx.checkpoints.write_shard(self.ctx.group, self.serial, self.rank, self.body.checkpoint()),
@@ -351,13 +380,13 @@ class JobRun:
             abort(err)
             self.shard = digest
             vote["shard"] = digest
-        if kind == "load" and vote["abort"] is None:
+        if kind is BoundaryKind.LOAD and vote["abort"] is None:
             try:
                 self.staged = stage(self.ctx.fs, self.spec.root, self.spec.modules)
                 vote["digest"] = self.staged.digest
             except (HotLoadRefused, OSError) as exc:
                 abort(f"rank {self.rank}: {exc}")
-        if kind == "loaded":
+        if kind is BoundaryKind.LOADED:
             abort(self.exec_error)
         return vote
 
@@ -372,25 +401,25 @@ class JobRun:
         self.phase("decided", v=v.value, by=d.get("by"))
         self.vote = None
         if v in FINAL:
-            self.outcome = Outcome(v, self.b, tuple(d.get("why", ())))
-            self.state = "finish"
+            self.outcome = Outcome(v, self.boundary, tuple(d.get("why", ())))
+            self.state = JobState.FINISH
         elif v is Verdict.GO:
             self.ctx.budget.reset()
             before, err = self._body_call("fingerprint before the job", lambda: dict(self.body.fingerprint()))
             self.fp_before, self.fp_error = before, err
-            self.b = 0
-            self.state = "vote"
+            self.boundary = 0
+            self.state = JobState.VOTE
         elif v is Verdict.TRAIN:
-            self.state = "step"
+            self.state = JobState.STEP
         elif v is Verdict.PAUSE:
-            self.state = "pause"
+            self.state = JobState.PAUSE
         elif v is Verdict.SAVE:
-            self.b += 1
-            self.state = "vote"
+            self.boundary += 1
+            self.state = JobState.VOTE
         elif v is Verdict.LOAD:
             self._load(str(d["digest"]))
-            self.b += 1
-            self.state = "vote"
+            self.boundary += 1
+            self.state = JobState.VOTE
 
     def _load(self, digest: str) -> None:
         self.phase("load", digest=digest[:16])
@@ -406,13 +435,13 @@ class JobRun:
 
     def run_step(self) -> None:
         self.phase("step")
-        _, err = self._body_call(f"step {self.b}", lambda: self.body.step(self.b))
+        _, err = self._body_call(f"step {self.boundary}", lambda: self.body.step(self.boundary))
         if err is None:
             self.steps_done += 1
         else:
             self.step_error = err
-        self.b += 1
-        self.state = "vote"
+        self.boundary += 1
+        self.state = JobState.VOTE
 
     def write_receipt(self, **extra: Any) -> None:
         o = self.outcome
@@ -460,48 +489,48 @@ class HeadJob(JobRun):
     def _advance(self) -> Wake:
         ch = self.ctx.channel
         while not self.finished:
-            if self.state == "vote":
+            if self.state == JobState.VOTE:
                 if self.vote is None:
                     self.vote = self.local_vote()
                 self.reports = {}
                 self.proposal = None
-                self.deadline = self.now() + self.t.exchange
+                self.deadline = self.now() + self.timeouts.exchange
                 self.phase("collect")
-                self.state = "collect"
-            elif self.state == "collect":
+                self.state = JobState.COLLECT
+            elif self.state == JobState.COLLECT:
                 for r in self.workers:
                     if r not in self.reports:
-                        rec = ch.read(self.serial, self.b, REPORT, r)
+                        rec = ch.read(self.serial, self.boundary, REPORT, r)
                         if rec is not None:
                             self.reports[r] = rec.body
                 aborting = self.vote["abort"] or any(rep.get("abort") for rep in self.reports.values())
                 if not aborting and len(self.reports) < len(self.workers) and self.now() < self.deadline:
-                    missing = [ch.key(self.serial, self.b, REPORT, r) for r in self.workers if r not in self.reports]
+                    missing = [ch.key(self.serial, self.boundary, REPORT, r) for r in self.workers if r not in self.reports]
                     return Wake(self.deadline, tuple(missing))
-                self.state = "decide"
-            elif self.state == "decide":
+                self.state = JobState.DECIDE
+            elif self.state == JobState.DECIDE:
                 if self.proposal is None:
                     self.proposal = self._propose()
-                won = ch.claim(Record(self.serial, self.b, DECISION, HEAD, self.proposal))
+                won = ch.claim(Record(self.serial, self.boundary, DECISION, HEAD, self.proposal))
                 self.follow(won.body)
-                if self.state == "pause":
-                    self.state = "pause_serve"
-            elif self.state == "pause_serve":
+                if self.state == JobState.PAUSE:
+                    self.state = JobState.PAUSE_SERVE
+            elif self.state == JobState.PAUSE_SERVE:
                 self.phase("pause")
                 self.serving.serve_iteration()
-                self.state = "pause_resume"
-            elif self.state == "pause_resume":
-                self.serving.resume(self.serial, self.b)
+                self.state = JobState.PAUSE_RESUME
+            elif self.state == JobState.PAUSE_RESUME:
+                self.serving.resume(self.serial, self.boundary)
                 self.phase("resume")
-                self.state = "pause_flush"
-            elif self.state == "pause_flush":
+                self.state = JobState.PAUSE_FLUSH
+            elif self.state == JobState.PAUSE_FLUSH:
                 # The step's collectives block until every worker joins, and
                 # a worker joins only after decoding RESUME: it must be out.
                 self.serving.flush()
-                self.state = "step"
-            elif self.state == "step":
+                self.state = JobState.STEP
+            elif self.state == JobState.STEP:
                 self.run_step()
-            elif self.state == "finish":
+            elif self.state == JobState.FINISH:
                 self.end_body()
                 self.finished = True
         return Wake(None)
@@ -516,31 +545,31 @@ class HeadJob(JobRun):
                 # Before the deadline a missing report is not a reason: the job
                 # is aborting for another one already.
                 if self.now() >= self.deadline:
-                    reasons.append(self.timed_out(f"no report from rank {r} within {self.t.exchange}s", self.deadline))
+                    reasons.append(self.timed_out(f"no report from rank {r} within {self.timeouts.exchange}s", self.deadline))
             elif rep.get("abort"):
                 reasons.append(str(rep["abort"]))
-            elif self.b == SEAL and rep.get("msg") != self.msg:
+            elif self.boundary == SEAL and rep.get("msg") != self.msg:
                 reasons.append(f"rank {r} confirmed serving message {rep.get('msg')}, not the START at {self.msg}")
-        kind = boundary_kind(self.spec, self.b)
+        kind = boundary_kind(self.spec, self.boundary)
         p: dict[str, Any] = {"by": self.rank}
-        if kind == "load" and not reasons:
+        if kind is BoundaryKind.LOAD and not reasons:
             digests = {self.rank: self.vote.get("digest"), **{r: self.reports[r].get("digest") for r in self.workers}}
             if len(set(digests.values())) != 1:
                 reasons.append("hot-load refused: staged code differs between ranks: " + ", ".join(f"rank {r}: {str(d)[:16]}" for r, d in sorted(digests.items())))
             else:
                 p["digest"] = digests[self.rank]
         if reasons:
-            p.update(v=(Verdict.CANCEL if self.b == SEAL else Verdict.ABORT).value, why=reasons)
-        elif kind == "seal":
+            p.update(v=(Verdict.CANCEL if self.boundary == SEAL else Verdict.ABORT).value, why=reasons)
+        elif kind is BoundaryKind.SEAL:
             p["v"] = Verdict.GO.value
-        elif kind == "step":
+        elif kind is BoundaryKind.STEP:
             p["v"] = (Verdict.PAUSE if self.serving.has_chats() else Verdict.TRAIN).value
-        elif kind == "verify":
+        elif kind is BoundaryKind.VERIFY:
             p["v"] = Verdict.SAVE.value
-        elif kind == "commit":
+        elif kind is BoundaryKind.COMMIT:
             p["v"] = Verdict.PUBLISH.value
             p["shards"] = {str(self.rank): self.vote.get("shard"), **{str(r): self.reports[r].get("shard") for r in self.workers}}
-        elif kind == "load":
+        elif kind is BoundaryKind.LOAD:
             p["v"] = Verdict.LOAD.value
         else:
             p["v"] = Verdict.DONE.value
@@ -604,31 +633,31 @@ class WorkerJob(JobRun):
         got = self.marker.outcomes.get(self.serial) if self.marker is not None else None
         if got is None:
             self.phase("abandoned")
-            self.outcome = Outcome(None, self.b, (why,))
+            self.outcome = Outcome(None, self.boundary, (why,))
         else:
             verdict, boundary = got
             self.phase("adopted", v=verdict, final=boundary)
             self.outcome = Outcome(Verdict(verdict) if verdict != "abandoned" else None, boundary, (why,))
-        self.state = "finish_local"
+        self.state = JobState.FINISH_LOCAL
 
     def _advance(self) -> Wake:
         ch = self.ctx.channel
         while not self.finished:
-            if self.state == "vote":
+            if self.state == JobState.VOTE:
                 if self.vote is None:
                     self.vote = self.local_vote()
                 # Noted before writing: a write that fails after landing must
                 # still be taken back if the job turns out closed.
-                self._note(self.b, REPORT, self.rank)
-                ch.post(Record(self.serial, self.b, REPORT, self.rank, self.vote))
+                self._note(self.boundary, REPORT, self.rank)
+                ch.post(Record(self.serial, self.boundary, REPORT, self.rank, self.vote))
                 self.phase("reported", abort=self.vote["abort"])
                 if self._closed():
                     self._abandon()
                     continue
-                self.deadline = self.now() + self.t.decision
-                self.state = "wait"
-            elif self.state == "wait":
-                rec = ch.read(self.serial, self.b, DECISION, HEAD)
+                self.deadline = self.now() + self.timeouts.decision
+                self.state = JobState.WAIT
+            elif self.state == JobState.WAIT:
+                rec = ch.read(self.serial, self.boundary, DECISION, HEAD)
                 if rec is None:
                     # A decision missing from a closed job was purged: this
                     # rank fell behind the head's ack wait. Noticing now, not at
@@ -637,23 +666,23 @@ class WorkerJob(JobRun):
                         self._abandon()
                         continue
                     if self.now() < self.deadline:
-                        return Wake(self.deadline, (ch.key(self.serial, self.b, DECISION, HEAD),))
-                    why = self.timed_out(f"no decision within {self.t.decision}s", self.deadline)
-                    verdict = Verdict.CANCEL if self.b == SEAL else Verdict.ABORT
-                    self._note(self.b, DECISION, HEAD)
-                    rec = ch.claim(Record(self.serial, self.b, DECISION, HEAD, {"v": verdict.value, "by": self.rank, "why": [why]}))
+                        return Wake(self.deadline, (ch.key(self.serial, self.boundary, DECISION, HEAD),))
+                    why = self.timed_out(f"no decision within {self.timeouts.decision}s", self.deadline)
+                    verdict = Verdict.CANCEL if self.boundary == SEAL else Verdict.ABORT
+                    self._note(self.boundary, DECISION, HEAD)
+                    rec = ch.claim(Record(self.serial, self.boundary, DECISION, HEAD, {"v": verdict.value, "by": self.rank, "why": [why]}))
                 if rec.body.get("by") == self.rank:
                     # This rank's own claim won (possibly on an earlier try).
-                    self._note(self.b, DECISION, HEAD)
+                    self._note(self.boundary, DECISION, HEAD)
                     if self._closed():
                         self._abandon()
                         continue
                 self.follow(rec.body)
-            elif self.state == "pause":
-                self.deadline = self.now() + self.t.pause
+            elif self.state == JobState.PAUSE:
+                self.deadline = self.now() + self.timeouts.pause
                 self.phase("pause")
-                self.state = "paused"
-            elif self.state == "paused":
+                self.state = JobState.PAUSED
+            elif self.state == JobState.PAUSED:
                 try:
                     op = self.serving.read_op()
                 except LinkClosed as exc:
@@ -664,23 +693,23 @@ class WorkerJob(JobRun):
                     # The head sends RESUME right after one iteration; silence
                     # this long means it is gone, and leaving the pause alone
                     # would desynchronise the group.
-                    raise GroupLost(self.timed_out(f"no serving op within {self.t.pause}s of a pause", self.deadline))
+                    raise GroupLost(self.timed_out(f"no serving op within {self.timeouts.pause}s of a pause", self.deadline))
                 if op.kind is OpKind.SERVE:
                     self.serving.execute(op)
-                    self.deadline = self.now() + self.t.pause
-                elif op.kind is OpKind.RESUME and op.job == self.serial and op.boundary == self.b:
+                    self.deadline = self.now() + self.timeouts.pause
+                elif op.kind is OpKind.RESUME and op.job == self.serial and op.boundary == self.boundary:
                     self.phase("resume")
-                    self.state = "step"
+                    self.state = JobState.STEP
                 else:
-                    raise GroupLost(f"rank {self.rank}: unexpected {op.kind.value} op (message {op.msg}) inside the pause of boundary {self.b}")
-            elif self.state == "step":
+                    raise GroupLost(f"rank {self.rank}: unexpected {op.kind.value} op (message {op.msg}) inside the pause of boundary {self.boundary}")
+            elif self.state == JobState.STEP:
                 self.run_step()
-            elif self.state == "finish":
-                self._note(self.b, ACK, self.rank)
-                ch.post(Record(self.serial, self.b, ACK, self.rank, {"v": self.outcome.label}))
+            elif self.state == JobState.FINISH:
+                self._note(self.boundary, ACK, self.rank)
+                ch.post(Record(self.serial, self.boundary, ACK, self.rank, {"v": self.outcome.label}))
                 self._closed()
-                self.state = "finish_local"
-            elif self.state == "finish_local":
+                self.state = JobState.FINISH_LOCAL
+            elif self.state == JobState.FINISH_LOCAL:
                 if self.outcome.verdict is not None:
                     self.end_body()
                 self.finished = True

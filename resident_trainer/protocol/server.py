@@ -197,11 +197,11 @@ class HeadServer:
                 op = self._op(OpKind.PUBLISH, live_after=bool(self.live), job=job.serial)
                 _, err = job._body_call("publish", job.body.publish)
                 self.published.append((job.serial, job.spec.name, op.msg))
-                self.ctx.log.phase(job.spec.name, "published", serial=job.serial, b=job.b, msg=op.msg, error=err)
+                self.ctx.log.phase(job.spec.name, "published", serial=job.serial, b=job.boundary, msg=op.msg, error=err)
             else:
                 job._body_call("discard", job.body.discard)
         job.write_receipt(manifest_error=manifest_error)
-        self.closing.append(_Closing(job.serial, job.spec.last_seq, job.b,
+        self.closing.append(_Closing(job.serial, job.spec.last_seq, job.boundary,
                                      self.ctx.clock.now() + self.ctx.config.timeouts.exchange, verdict=job.outcome.label))
 
     def _progress_closing(self) -> tuple[str, ...]:
@@ -251,7 +251,7 @@ class HeadServer:
                     job, self.job = self.job, None
                     self.lost = str(exc)
                     self.ctx.log.receipt(job.spec.name, "group_lost", serial=job.serial, kind=job.spec.kind.value,
-                                         msg=job.msg, boundary=job.b, last=job.spec.last_seq, reasons=[str(exc)],
+                                         msg=job.msg, boundary=job.boundary, last=job.spec.last_seq, reasons=[str(exc)],
                                          steps=job.steps_done)
                     job._body_call("discard", job.body.discard)
                     return Wake(None)
@@ -405,7 +405,7 @@ class WorkerServer:
         if job is not None:
             job.phase("group_lost", why=why)
             self.ctx.log.receipt(job.spec.name, "group_lost", serial=job.serial, kind=job.spec.kind.value,
-                                 msg=job.msg, boundary=job.b, last=job.spec.last_seq, reasons=[why],
+                                 msg=job.msg, boundary=job.boundary, last=job.spec.last_seq, reasons=[why],
                                  steps=job.steps_done)
             if job.body is not None:
                 job._body_call("discard", job.body.discard)

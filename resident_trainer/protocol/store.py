@@ -1,11 +1,12 @@
 """The key-value store the trainer channel runs on.
 
 `KVStore` is the small, non-blocking interface the state machines use. Two
-implementations: `MemoryKVStore` (a dict: unit tests and the simulation) and
-`TorchKVStore`, an adapter over any ``torch.distributed.Store`` (TCPStore in
-production, HashStore/FileStore in tests).
+implementations: `MemoryKVStore` here (a dict: unit tests and the simulation)
+and `resident_trainer.integrations.torchdist.store.TorchKVStore`, an adapter
+over any ``torch.distributed.Store`` (TCPStore in production, HashStore and
+FileStore in tests).
 
-The adapter is shaped by TCPStore's sharp edges (verified on torch 2.13 by
+The contract is shaped by TCPStore's sharp edges (verified on torch 2.13 by
 tests/test_protocol_store.py):
 
 * ``get`` on an absent key blocks until the client timeout, and ``check`` then
@@ -28,13 +29,12 @@ tests/test_protocol_store.py):
 
 from __future__ import annotations
 
-import datetime
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from resident_trainer.protocol.errors import RecordTooLarge, StoreTimeout, StoreUnavailable
+from resident_trainer.protocol.errors import RecordTooLarge
 
 #: Largest value TCPStore accepts (libuv backend, torch 2.13); one byte more
 #: and the server resets the connection.
@@ -107,14 +107,14 @@ def check_value(key: str, value: object) -> bytes:
     return value
 
 
-def _check_plain(key: str) -> str:
+def check_plain_key(key: str) -> str:
     check_key(key)
     if key.startswith(COUNTER_PREFIX):
         raise ValueError(f"key {key!r} is a counter (prefix {COUNTER_PREFIX!r}); only add() may write it")
     return key
 
 
-def _check_counter(key: str) -> str:
+def check_counter_key(key: str) -> str:
     check_key(key)
     if not key.startswith(COUNTER_PREFIX):
         raise ValueError(
@@ -134,7 +134,7 @@ class MemoryKVStore:
         self._lock = threading.Lock()
 
     def set(self, key: str, value: bytes) -> None:
-        value = check_value(_check_plain(key), value)
+        value = check_value(check_plain_key(key), value)
         with self._lock:
             self.data[key] = value
             self.version += 1
@@ -143,7 +143,7 @@ class MemoryKVStore:
         return self.data.get(check_key(key))
 
     def create(self, key: str, value: bytes) -> bytes:
-        value = check_value(_check_plain(key), value)
+        value = check_value(check_plain_key(key), value)
         with self._lock:
             current = self.data.get(key)
             if current is None:
@@ -159,7 +159,7 @@ class MemoryKVStore:
                 self.version += 1
 
     def add(self, key: str, amount: int) -> int:
-        _check_counter(key)
+        check_counter_key(key)
         with self._lock:
             value = int(self.data.get(key, b"0")) + int(amount)
             self.data[key] = str(value).encode()
@@ -172,103 +172,3 @@ class MemoryKVStore:
     def keys(self) -> list[str]:
         """Every key, sorted (tests and the simulation's checker)."""
         return sorted(self.data)
-
-
-def _classify(exc: BaseException, what: str) -> Exception:
-    import torch.distributed as dist
-
-    msg = f"store {what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    if isinstance(exc, dist.DistNetworkError):
-        return StoreUnavailable(msg)
-    if isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower():
-        return StoreTimeout(msg)
-    return StoreUnavailable(msg)
-
-
-class TorchKVStore:
-    """KVStore over a ``torch.distributed.Store`` (TCPStore, HashStore,
-    FileStore, PrefixStore).
-
-    Each thread talks through its own ``clone()`` of `store` (a TCPStore client
-    is not thread-safe); a clone whose connection broke is dropped and the next
-    call clones afresh, because a broken TCPStore client never recovers.
-    """
-
-    def __init__(self, store, *, use_clones: bool = True) -> None:
-        import torch.distributed as dist
-
-        if not isinstance(store, dist.Store):
-            raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
-        self._root = store
-        self._use_clones = use_clones and hasattr(store, "clone")
-        self._local = threading.local()
-
-    def _client(self):
-        if not self._use_clones:
-            return self._root
-        client = getattr(self._local, "client", None)
-        if client is None:
-            self._probe()
-            client = self._root.clone()
-            self._local.client = client
-        return client
-
-    def _probe(self) -> None:
-        """Before (re)connecting to a TCPStore server, check it still accepts
-        connections: a TCPStore client retries a refused connect until its
-        whole timeout expires, which would stall the caller that long."""
-        import socket
-
-        host, port = getattr(self._root, "host", None), getattr(self._root, "port", None)
-        if not host or not port:
-            return
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-        except OSError as exc:
-            raise StoreUnavailable(f"store server {host}:{port} is not accepting connections: {exc}") from None
-
-    def _call(self, what: str, fn: Callable):
-        import torch.distributed as dist
-
-        try:
-            return fn(self._client())
-        except StoreUnavailable:
-            raise
-        except (dist.DistError, RuntimeError) as exc:
-            err = _classify(exc, what)
-            if isinstance(err, StoreUnavailable):
-                self._local.client = None
-            raise err from exc
-
-    def set(self, key: str, value: bytes) -> None:
-        value = check_value(_check_plain(key), value)
-        self._call(f"set({key!r})", lambda c: c.set(key, value))
-
-    def get(self, key: str) -> bytes | None:
-        check_key(key)
-        got = self._call(f"get({key!r})", lambda c: c.compare_set(key, SENTINEL, SENTINEL))
-        return None if got == SENTINEL else bytes(got)
-
-    def create(self, key: str, value: bytes) -> bytes:
-        value = check_value(_check_plain(key), value)
-        return bytes(self._call(f"create({key!r})", lambda c: c.compare_set(key, b"", value)))
-
-    def delete(self, key: str) -> None:
-        check_key(key)
-        # FileStore answers True even for an absent key, so the result is not used.
-        self._call(f"delete({key!r})", lambda c: c.delete_key(key))
-
-    def add(self, key: str, amount: int) -> int:
-        _check_counter(key)
-        return int(self._call(f"add({key!r})", lambda c: c.add(key, int(amount))))
-
-    def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        keys = [check_key(k) for k in keys]
-        if not keys:
-            return True
-        delta = datetime.timedelta(seconds=max(timeout, 0.001))
-        try:
-            self._call("wait", lambda c: c.wait(keys, delta))
-            return True
-        except StoreTimeout:
-            return False

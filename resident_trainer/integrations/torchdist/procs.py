@@ -1,4 +1,5 @@
-"""Process-group workers that leave cleanly.
+"""Processes of a rank group: workers that leave cleanly, that die with
+their parent, and a liveness probe.
 
 A gloo process that has finished its work can still die with SIGABRT while
 the interpreter shuts down ("terminate called without an active exception":
@@ -11,8 +12,11 @@ still propagates as usual.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -43,3 +47,26 @@ def exit_now(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits, so a
+    crashed supervisor (or test run) leaves no rank behind."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not reaped, is not alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -1,6 +1,5 @@
-"""Memory-thin pieces of a training step on a frozen model: the streamed loss
-over the vocabulary head the model already holds, and the replay of the frozen
-layers after the trained one.
+"""Layer replay: one training step on a frozen model at about one layer's
+activation memory.
 
 A step at layer L costs the activations of about one layer: the prefix
 (layers < L) runs without grad; layer L runs with grad (the added block is the
@@ -21,50 +20,7 @@ import torch
 from torch import Tensor
 
 from resident_trainer.models.adapter import DecoderAdapter, LayerContext
-from resident_trainer.ops.linear_cross_entropy import linear_cross_entropy
-
-
-class StreamedCrossEntropy:
-    """Final norm + ``linear_cross_entropy`` over the model's own vocabulary head
-    (tied embeddings included): ``F.cross_entropy(lm_head(norm(h)), y)``
-    without the logits. With a process group, `head_weight` is this rank's
-    contiguous shard of the head rows starting at `vocab_start`, a view of the
-    model's tensor. No base weight is copied."""
-
-    def __init__(
-        self,
-        adapter: DecoderAdapter,
-        *,
-        head_weight: Tensor | None = None,
-        head_bias: Tensor | None = None,
-        process_group=None,
-        vocab_start: int = 0,
-        impl: str = "auto",
-        **ce_kwargs,
-    ):
-        self.adapter = adapter
-        self.head_weight = adapter.head_weight if head_weight is None else head_weight
-        self.head_bias = adapter.head_bias if head_weight is None else head_bias
-        self.process_group = process_group
-        self.vocab_start = vocab_start
-        self.impl = impl
-        self.ce_kwargs = ce_kwargs
-
-    def __call__(self, hidden: Tensor, targets: Tensor, **kw) -> Tensor:
-        """hidden: (B, T, D) output of the last layer; targets: (B, T) with
-        ignore_index (-100) where no loss is wanted. Extra keyword arguments go
-        to linear_cross_entropy (reduction, return_lse, ...)."""
-        normed = self.adapter.norm(hidden)
-        return linear_cross_entropy(
-            normed,
-            self.head_weight,
-            targets,
-            linear_bias=self.head_bias,
-            process_group=self.process_group,
-            vocab_start=self.vocab_start,
-            impl=self.impl,
-            **{**self.ce_kwargs, **kw},
-        )
+from resident_trainer.ops.saved import SavedBytes
 
 
 @dataclass
@@ -76,33 +32,18 @@ class ReplayResult:
     peak_saved_bytes: int
 
 
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward while active."""
-
-    def __init__(self):
-        self.total = 0
-
-    def __enter__(self):
-        def pack(t):
-            self.total += t.numel() * t.element_size()
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
 class LayerReplay:
     """One training step of whatever trains inside layer `layer` (the added
     block, attached to that layer), with the frozen suffix replayed in
     backward instead of kept as a graph."""
 
-    def __init__(self, adapter: DecoderAdapter, layer: int):
+    def __init__(self, adapter: DecoderAdapter, layer: int | None = None):
         self.adapter = adapter
-        self.layer = adapter.check_layer(layer)
+        self.layer = adapter.layer_index(layer)
+
+    def _meter(self) -> SavedBytes:
+        # Activations only: the frozen weights a graph saves exist anyway.
+        return SavedBytes(exclude=self.adapter.frozen_tensors().values())
 
     def prefix(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, LayerContext]:
         """Hidden state entering layer `layer` (no grad) and the layer context."""
@@ -128,7 +69,7 @@ class LayerReplay:
         h_in, ctx = self.prefix(input_ids, attention_mask)
         peak = 0
         # Layer L with grad: the trainable block is the only leaf in it.
-        with _SavedBytes() as saved:
+        with self._meter() as saved:
             h_out = a.run_layer(self.layer, h_in, ctx)
         layer_saved = saved.total
         # Suffix without grad: keep the boundaries only.
@@ -137,7 +78,7 @@ class LayerReplay:
             for i in range(self.layer + 1, a.num_layers):
                 bounds.append(a.run_layer(i, bounds[-1], ctx))
         last = bounds[-1].requires_grad_(True)
-        with _SavedBytes() as saved:
+        with self._meter() as saved:
             loss = loss_fn(last)
         peak = max(peak, saved.total)
         (grad,) = torch.autograd.grad(loss, last)
@@ -145,14 +86,14 @@ class LayerReplay:
         # L's own graph stays alive meanwhile, hence its bytes on top).
         for i in range(a.num_layers - 1, self.layer, -1):
             x = bounds[i - self.layer - 1].requires_grad_(True)
-            with torch.enable_grad(), _SavedBytes() as saved:
+            with torch.enable_grad(), self._meter() as saved:
                 y = a.run_layer(i, x, ctx)
             peak = max(peak, saved.total)
             (grad,) = torch.autograd.grad(y, x, grad)
             bounds[i - self.layer] = None  # free the boundary it replaced
         total = loss.detach()
         if extra_loss is not None:
-            with _SavedBytes() as saved:
+            with self._meter() as saved:
                 extra = extra_loss()
             peak = max(peak, saved.total)
             torch.autograd.backward([h_out, extra], [grad, torch.ones_like(extra)])
@@ -172,7 +113,7 @@ def full_graph_step(
     """The same step with plain autograd through every layer (the reference
     that replay is tested and benchmarked against)."""
     a = adapter
-    with _SavedBytes() as saved:
+    with SavedBytes(exclude=a.frozen_tensors().values()) as saved:
         h = a.embed_tokens(input_ids)
         ctx = a.context(h, attention_mask)
         for i in range(a.num_layers):

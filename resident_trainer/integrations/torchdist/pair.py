@@ -1,4 +1,5 @@
-"""A minimal serving group on one machine: the protocol live, in real processes.
+"""A minimal serving group on one machine: the protocol live, in real
+processes, over torch.distributed (a TCPStore and gloo).
 
 Rank 0 hosts the rendezvous TCPStore on a socket it binds itself
 (RESIDENT_TRAINER_HOST, loopback unless set; port 0 picks a free one, which
@@ -17,7 +18,7 @@ in for a tensor-parallel forward, enough to host the protocol. The job body
 (`PairBody`) trains a small added matrix on a tiny frozen model and proves
 the model unchanged with ``resident_trainer.fingerprint_tensors``.
 
-Run a rank: ``python -m resident_trainer.protocol.pair --rank R --world W
+Run a rank: ``python -m resident_trainer.integrations.torchdist.pair --rank R --world W
 --generation G --token T [--port P]``; `ProcessGroupControl` does this for
 recovery.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import hashlib
 import json
@@ -43,20 +43,24 @@ from typing import Any
 
 import torch
 
-from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, system_sampler
+from resident_trainer.integrations.torchdist.memory import system_sampler
+from resident_trainer.integrations.torchdist.procs import die_with_parent, exit_now, pid_alive
+from resident_trainer.integrations.torchdist.store import TorchKVStore
+from resident_trainer.models.adapter import layer_index
+from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget
 from resident_trainer.protocol.channel import TrainerChannel
 from resident_trainer.protocol.checkpoint import CheckpointStore
 from resident_trainer.protocol.clock import MonotonicClock
 from resident_trainer.protocol.config import ProtocolConfig
 from resident_trainer.protocol.errors import PeerLost, StoreError
-from resident_trainer.protocol.frozen import FrozenFingerprint
 from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobKind, JobSpec, RankContext, Wake
 from resident_trainer.protocol.records import RecordLog
 from resident_trainer.protocol.recovery import GroupState, admits
 from resident_trainer.protocol.server import HeadServer, WorkerServer
 from resident_trainer.protocol.serving import Chat, ServingOp, StoreServingLink
-from resident_trainer.protocol.store import KVStore, TorchKVStore
+from resident_trainer.protocol.store import KVStore
+from resident_trainer.train.frozen import FrozenFingerprint
 
 EXIT_REFUSED = 3  # the group state names another generation or token
 EXIT_LOST = 4  # the group was lost (store or link silent past the group timeout)
@@ -264,14 +268,6 @@ def drive(server: HeadServer | WorkerServer, kv: TorchKVStore, clock: MonotonicC
         stop.wait(timeout)
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits, so a
-    crashed supervisor (or test run) leaves no rank behind."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def port_path(state_dir: str, generation: int) -> str:
     return posixpath.join(state_dir, f"g{generation}.port")
 
@@ -298,7 +294,7 @@ def _make_store(cfg: ProtocolConfig, rank: int, world: int, port: int, generatio
 
 
 def rank_main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m resident_trainer.protocol.pair")
+    p = argparse.ArgumentParser(prog="python -m resident_trainer.integrations.torchdist.pair")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--generation", type=int, required=True)
@@ -306,8 +302,10 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=None,
                    help="the store's port (default RESIDENT_TRAINER_MASTER_PORT; 0 on rank 0: any free port)")
     a = p.parse_args(argv)
-    _die_with_parent()
-    cfg = ProtocolConfig.from_env().with_depth(DEPTH)
+    die_with_parent()
+    cfg = ProtocolConfig.from_env()
+    layer = layer_index(cfg.layer, DEPTH, "RESIDENT_TRAINER_LAYER")
+    watch_layer = DEPTH - 1 if cfg.watch_layer is None else layer_index(cfg.watch_layer, DEPTH, "RESIDENT_TRAINER_WATCH_LAYER")
     if a.port is None:
         a.port = cfg.master_port
     fs = LocalFileSystem()
@@ -342,8 +340,8 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
                       clock=clock, fs=fs, log=log, config=cfg, budget=monitor, checkpoints=ckpts)
 
     def factory(spec: JobSpec, ctx: RankContext) -> PairBody:
-        return PairBody(model, state, spec, trainer_group, rank=a.rank, world=a.world, layer=cfg.layer,
-                        watch_layer=cfg.watch_layer)
+        return PairBody(model, state, spec, trainer_group, rank=a.rank, world=a.world, layer=layer,
+                        watch_layer=watch_layer)
 
     link = StoreServingLink(kv, group=group, rank=a.rank, world=a.world)
     stop = threading.Event()
@@ -364,21 +362,6 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
         print(server.lost, file=sys.stderr, flush=True)
         return EXIT_LOST
     return 0
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie, exited but not reaped, is not alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 class ProcessGroupControl:
@@ -405,7 +388,7 @@ class ProcessGroupControl:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def _spawn(self, rank: int, generation: int, token: int, port: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "resident_trainer.protocol.pair", "--rank", str(rank), "--world", str(self.world),
+        cmd = [sys.executable, "-m", "resident_trainer.integrations.torchdist.pair", "--rank", str(rank), "--world", str(self.world),
                "--generation", str(generation), "--token", str(token), "--port", str(port)]
         proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL)
         self.procs[proc.pid] = proc
@@ -466,6 +449,4 @@ class ProcessGroupControl:
 
 
 if __name__ == "__main__":
-    from resident_trainer._spawn import exit_now
-
     exit_now(rank_main())  # skip interpreter teardown: gloo can abort in it

@@ -1,7 +1,11 @@
-"""The frozen-weights proof a job body gives the protocol: digests of the
-frozen tensors and, separately, of a watch layer, from
-``resident_trainer.fingerprint_tensors``. The protocol compares the digests
-taken before a job with those after it; any difference fails the job."""
+"""The proof that the frozen base did not change: digests of the frozen
+tensors (and, separately, of a watch layer) from
+``resident_trainer.fingerprint_tensors``, taken before and after a job.
+
+The trainer checks it at the end of every job, the protocol's job bodies
+report it at the job's first and verify boundaries, and the command line
+prints it; all three use this class.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,10 @@ import torch
 from resident_trainer.ops.fingerprint import FingerprintTable, fingerprint_tensors
 
 Tensors = Mapping[str, torch.Tensor] | torch.nn.Module
+
+
+class FrozenWeightsChanged(RuntimeError):
+    """A tensor that must never change did."""
 
 
 class FrozenFingerprint:
@@ -42,6 +50,16 @@ class FrozenFingerprint:
 
     def __call__(self) -> dict[str, str]:
         return {k: t.hex for k, t in self.tables().items()}
+
+    def check(self, before: Mapping[str, FingerprintTable]) -> dict[str, FingerprintTable]:
+        """Fingerprint now and raise FrozenWeightsChanged, naming the tensors,
+        unless every digest equals `before`'s; returns the new tables."""
+        after = self.tables()
+        changed = self.changed(before, after)
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            raise FrozenWeightsChanged(f"the frozen base changed: {shown}")
+        return after
 
     @staticmethod
     def changed(before: Mapping[str, FingerprintTable], after: Mapping[str, FingerprintTable]) -> list[str]:

@@ -1,0 +1,183 @@
+"""The added block: `num_neurons` SwiGLU neurons on one layer's residual
+stream, with a trainable copy of its weights (what a job trains) and a
+published copy (what serving reads).
+
+It attaches to layer L's feed-forward block with a forward hook on that
+module instance (nothing in transformers is patched) and adds
+``down(silu(x Wg^T) * (x Wu^T))`` of the block's own input (the normalized
+hidden) to the block's output, i.e. to the residual stream, exactly like extra
+neurons of the layer's (shared-expert) MLP. The down projection starts at
+zero, so a fresh block changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from resident_trainer.models.adapter import DecoderAdapter
+from resident_trainer.ops.added_expert import added_expert
+from resident_trainer.ops.collectives import max_over_ranks
+from resident_trainer.train.parallel import shard_range
+
+
+class AddedSharedNeurons(nn.Module):
+    """`num_neurons` added SwiGLU neurons on a `hidden_size` residual stream.
+
+    Trainable: ``w_gate_up`` (2A, D), gate rows first, and ``w_down`` (D, A),
+    where A is this rank's share of the neurons under tensor parallelism
+    (`process_group`). Published (what serving uses): the buffers
+    ``published_gate_up``, ``published_down`` and ``published_threshold``.
+
+    threshold: the exact no-op gate. When set, the block outputs exactly zero
+    (and takes no gradient) on tokens whose strongest gate pre-activation
+    ``max_a (x . Wg_a)`` is at or below it (over all ranks' neurons). None: off.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_neurons: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        process_group=None,
+        init_std: float = 0.02,
+        seed: int = 0,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        if not isinstance(num_neurons, int) or num_neurons < 1:
+            raise ValueError(f"num_neurons must be a positive int, got {num_neurons!r}")
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+        world = dist.get_world_size(process_group) if process_group is not None else 1
+        rank = dist.get_rank(process_group) if process_group is not None else 0
+        if num_neurons < world:
+            raise ValueError(f"num_neurons={num_neurons} is smaller than the process group ({world} ranks)")
+        self.hidden_size, self.num_neurons = hidden_size, num_neurons
+        self.process_group = process_group
+        self.neuron_start, self.neuron_stop = shard_range(num_neurons, world, rank)
+        a = self.neuron_stop - self.neuron_start
+        # The full gate/up init is drawn on every rank from one seed and each
+        # rank keeps its rows: any split gives the same block as one process.
+        g = torch.Generator().manual_seed(seed)
+        full = torch.randn(2, num_neurons, hidden_size, generator=g) * init_std
+        gate_up = torch.cat([full[0, self.neuron_start : self.neuron_stop], full[1, self.neuron_start : self.neuron_stop]])
+        kw = dict(dtype=dtype, device=device)
+        self.w_gate_up = nn.Parameter(gate_up.to(**kw))
+        self.w_down = nn.Parameter(torch.zeros(hidden_size, a, **kw))
+        self.register_buffer("published_gate_up", gate_up.to(**kw).clone())
+        self.register_buffer("published_down", torch.zeros(hidden_size, a, **kw))
+        self.threshold: float | None = None
+        self.published_threshold: float | None = None
+        self.impl = impl
+        self._train_active = False
+        self._capture: list[Tensor] | None = None
+
+    @property
+    def local_neurons(self) -> int:
+        return self.neuron_stop - self.neuron_start
+
+    # --- the block itself -------------------------------------------------
+
+    def _scores(self, x: Tensor, w_gate_up: Tensor) -> Tensor:
+        score = (x @ w_gate_up[: self.local_neurons].T).float().amax(-1)
+        if self.process_group is not None:
+            score = max_over_ranks(score, self.process_group)
+        return score
+
+    def gate_scores(self, x: Tensor, *, published: bool = False) -> Tensor:
+        """(...,) fp32: each token's strongest gate pre-activation ``max_a (x . Wg_a)``
+        over every rank's neurons, of the trainable weights (differentiable:
+        the gradient reaches the neuron(s) holding the max) or the published ones."""
+        return self._scores(x, self.published_gate_up if published else self.w_gate_up)
+
+    def gate_mask(self, x: Tensor, w_gate_up: Tensor, threshold: float | None) -> Tensor | None:
+        """(...,) bool: tokens whose strongest gate pre-activation (over every
+        rank's neurons) exceeds `threshold`; None when there is no gate."""
+        if threshold is None:
+            return None
+        with torch.no_grad():
+            return self._scores(x, w_gate_up) > threshold
+
+    def block(self, x: Tensor, *, published: bool, gated: bool = True) -> Tensor:
+        """The block's output for input x (..., D): the trainable weights with
+        autograd, or the published ones; `gated=False` ignores the threshold."""
+        if published:
+            w_gu, w_d, thr = self.published_gate_up, self.published_down, self.published_threshold
+        else:
+            w_gu, w_d, thr = self.w_gate_up, self.w_down, self.threshold
+        mask = self.gate_mask(x, w_gu, thr if gated else None)
+        return added_expert(x, w_gu, None, w_d, token_mask=mask, process_group=self.process_group, impl=self.impl)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x, published=not self._train_active)
+
+    # --- attaching to a model -----------------------------------------------
+
+    def attach(self, adapter: DecoderAdapter, layer: int | None = None):
+        """Add the block to layer `layer`'s feed-forward output (a forward hook
+        on that module instance; None: the middle layer). Returns the hook
+        handle; .remove() detaches."""
+        ffn = adapter.ffn(adapter.layer_index(layer))
+        if self.hidden_size != adapter.hidden_size:
+            raise ValueError(f"the block's hidden_size={self.hidden_size} does not match the model's {adapter.hidden_size}")
+        return ffn.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output):
+        x = inputs[0]
+        if self._capture is not None:
+            self._capture.append(x.detach())
+        return output + self.block(x, published=not self._train_active).to(output.dtype)
+
+    @property
+    def uses_training_weights(self) -> bool:
+        """Whether the attached block currently runs (and trains) the
+        trainable weights rather than the published ones."""
+        return self._train_active
+
+    @contextlib.contextmanager
+    def training_weights(self) -> Iterator[None]:
+        """Within the context, the attached block uses (and trains) the
+        trainable weights; outside it, serving reads the published ones."""
+        prev, self._train_active = self._train_active, True
+        try:
+            yield
+        finally:
+            self._train_active = prev
+
+    @contextlib.contextmanager
+    def capture_inputs(self) -> Iterator[list[Tensor]]:
+        """Record the block's inputs (detached) while the context is open."""
+        prev, self._capture = self._capture, []
+        try:
+            yield self._capture
+        finally:
+            self._capture = prev
+
+    # --- publishing ------------------------------------------------------------
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Serving starts using the trained weights (and gate threshold)."""
+        self.published_gate_up.copy_(self.w_gate_up)
+        self.published_down.copy_(self.w_down)
+        self.published_threshold = self.threshold
+
+    @torch.no_grad()
+    def revert(self) -> None:
+        """Drop unpublished training: trainable weights back to the published."""
+        self.w_gate_up.copy_(self.published_gate_up)
+        self.w_down.copy_(self.published_down)
+        self.threshold = self.published_threshold
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_neurons={self.num_neurons}, "
+            f"local=[{self.neuron_start}, {self.neuron_stop}), threshold={self.threshold}"
+        )

@@ -1,0 +1,98 @@
+"""The block's checkpoint: this rank's shard of the added neurons (trainable
+and published copies, gate thresholds) and its optimizer state, as
+safetensors with the base model's fingerprint in the metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from resident_trainer._files import write_atomic
+
+if TYPE_CHECKING:
+    from resident_trainer.train.trainer import Trainer
+
+CHECKPOINT_FORMAT = "resident-trainer-block/1"
+
+
+def _checkpoint_tensors(trainer: Trainer) -> tuple[dict[str, Tensor], dict[str, str]]:
+    block = trainer.block
+    tensors = {
+        "w_gate_up": block.w_gate_up.detach().contiguous(),
+        "w_down": block.w_down.detach().contiguous(),
+        "published_gate_up": block.published_gate_up.contiguous(),
+        "published_down": block.published_down.contiguous(),
+    }
+    state = trainer.optimizer.state_dict()["state"]
+    for i, st in state.items():
+        for k, v in st.items():
+            tensors[f"optim.{i}.{k}"] = v.detach().reshape(-1).contiguous() if v.dim() == 0 else v.detach().contiguous()
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "config": json.dumps(asdict(trainer.config)),
+        "base_fingerprint": trainer.base_fingerprint.hex,
+        "step": str(trainer.step_index),
+        "threshold": json.dumps(block.threshold),
+        "published_threshold": json.dumps(block.published_threshold),
+        "neurons": json.dumps([block.neuron_start, block.neuron_stop, block.num_neurons]),
+    }
+    return tensors, meta
+
+
+def checkpoint_bytes(trainer: Trainer) -> bytes:
+    """This rank's shard of the block and its optimizer state, as safetensors bytes."""
+    from safetensors.torch import save
+
+    tensors, meta = _checkpoint_tensors(trainer)
+    return save({k: v.cpu() for k, v in tensors.items()}, metadata=meta)
+
+
+def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
+    """Write the checkpoint atomically: a temporary file in the same folder,
+    flushed to disk, then renamed over `path` (a crash leaves the old one)."""
+    write_atomic(os.path.abspath(os.fspath(path)), checkpoint_bytes(trainer))
+
+
+def load_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
+    """Restore the block, its optimizer state and the step counter. Refuses a
+    checkpoint made on another base model or another shard of the neurons."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint (format={meta.get('format')!r})")
+    if meta.get("base_fingerprint") != trainer.base_fingerprint.hex:
+        raise ValueError(
+            f"{path} was trained on a base model with fingerprint {meta.get('base_fingerprint')}, "
+            f"this one is {trainer.base_fingerprint.hex}"
+        )
+    block = trainer.block
+    want = [block.neuron_start, block.neuron_stop, block.num_neurons]
+    if json.loads(meta["neurons"]) != want:
+        raise ValueError(f"{path} holds neurons {json.loads(meta['neurons'])}, this rank has {want}")
+    dev = block.w_gate_up.device
+    with torch.no_grad():
+        block.w_gate_up.copy_(tensors["w_gate_up"])
+        block.w_down.copy_(tensors["w_down"])
+        block.published_gate_up.copy_(tensors["published_gate_up"])
+        block.published_down.copy_(tensors["published_down"])
+    block.threshold = json.loads(meta["threshold"])
+    block.published_threshold = json.loads(meta["published_threshold"])
+    state = trainer.optimizer.state_dict()
+    restored: dict[int, dict[str, Tensor]] = {}
+    for key, v in tensors.items():
+        if key.startswith("optim."):
+            _, i, name = key.split(".", 2)
+            t = v.to(dev)
+            restored.setdefault(int(i), {})[name] = t.reshape(()) if name == "step" else t
+    state["state"] = restored
+    trainer.optimizer.load_state_dict(state)
+    trainer.step_index = int(meta["step"])

@@ -1,0 +1,256 @@
+"""The trainer: an added block attached at one layer of a frozen model,
+trained on facts one microbatch at a time (layer replay, streamed loss, the
+anchor penalty, the exact no-op gate), published at the end of a job.
+
+`Trainer` is also a job body for a serving protocol: it has the methods
+(fingerprint, step, checkpoint, publish, discard) an engine integration calls
+at a job's boundaries, and knows nothing of the protocol itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from resident_trainer.models.adapter import DecoderAdapter
+from resident_trainer.ops.fingerprint import FingerprintTable
+from resident_trainer.train.block import AddedSharedNeurons
+from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
+from resident_trainer.train.config import TrainConfig
+from resident_trainer.train.data import Fact, Microbatch, collate, example_ids, rewordings
+from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
+from resident_trainer.train.loss import StreamedCrossEntropy
+from resident_trainer.train.parallel import clip_grad_norm_
+from resident_trainer.train.replay import LayerReplay
+
+
+class TrainingAborted(RuntimeError):
+    """A job stopped without publishing; the block keeps its last good weights."""
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    anchor_penalty: float
+    grad_norm: float
+
+
+class Trainer:
+    """Trains an AddedSharedNeurons block attached at `config.layer` of a frozen
+    model on facts, with the anchor penalty, rewording augmentation and gate
+    calibration; one `step()` per microbatch. Implements the protocol's
+    JobBody (fingerprint, step, checkpoint, publish, discard)."""
+
+    def __init__(
+        self,
+        adapter: DecoderAdapter,
+        block: AddedSharedNeurons,
+        tokenizer,
+        facts: Sequence[Fact],
+        config: TrainConfig,
+        *,
+        anchors: Sequence[tuple[str, str | Sequence[int]]] = (),
+        loss_fn: StreamedCrossEntropy | None = None,
+    ):
+        if not facts:
+            raise ValueError("facts must not be empty")
+        self.adapter, self.block, self.tokenizer, self.config = adapter, block, tokenizer, config
+        self.layer = adapter.layer_index(config.layer)
+        self.facts = list(facts)
+        self.loss_fn = loss_fn or StreamedCrossEntropy(adapter)
+        self.replay = LayerReplay(adapter, self.layer)
+        self.params = [block.w_gate_up, block.w_down]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        self.step_index = 0
+        self.history: list[StepMetrics] = []
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad
+        self.examples = [
+            example_ids(tokenizer, q, f.answer) for f in self.facts for q in rewordings(f.question, config.rewordings)
+        ]
+        self.anchor_inputs = self.block_inputs(anchors) if anchors else []
+        self.frozen = FrozenFingerprint(adapter.frozen_tensors())
+        self.base_tables = self.frozen.tables()
+        # A job trains ungated (until gated_from): the threshold a previous job
+        # published keeps serving, but must not hide the new facts' tokens.
+        block.threshold = None
+        self._gate_step: int | None = None  # step_index the threshold was calibrated at
+
+    # --- anchors -----------------------------------------------------------
+
+    @property
+    def base_fingerprint(self) -> FingerprintTable:
+        """The frozen base's fingerprint taken when the job began."""
+        return self.base_tables["frozen"]
+
+    @torch.no_grad()
+    def block_inputs(self, exchanges: Sequence[tuple[str, str | Sequence[int]]]) -> list[Tensor]:
+        """The block's inputs (layer L's normalized hidden), (T, D) per chat
+        exchange (prompt, reply text or ids), on every token: for the anchors
+        these are fixed for the job, since the base is frozen and the block
+        acts after them."""
+        out = []
+        for prompt, reply in exchanges:
+            ids, _ = example_ids(self.tokenizer, prompt, reply)
+            t = torch.tensor([ids], device=self.adapter.device)
+            h, ctx = self.replay.prefix(t)
+            with self.block.capture_inputs() as cap:
+                self.adapter.run_layer(self.layer, h, ctx)
+            out.append(cap[0].reshape(-1, self.adapter.hidden_size))
+        return out
+
+    def anchor_penalty(self, index: int) -> Tensor | None:
+        """anchor_weight x mean squared norm of the block's output on anchor
+        tokens, plus anchor_gate_weight x mean over anchor tokens of the squared
+        positive part of the gate score: the first keeps the block quiet on
+        them, the second pushes their scores, hence the threshold, down."""
+        cfg = self.config
+        if not self.anchor_inputs or (cfg.anchor_weight == 0 and cfg.anchor_gate_weight == 0):
+            return None
+        k = cfg.anchor_batch
+        n = len(self.anchor_inputs)
+        pick = [self.anchor_inputs[(index * k + j) % n] for j in range(min(k, n))]
+        x = torch.cat(pick)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        if cfg.anchor_weight:
+            # Ungated: under gated training the anchors sit below the threshold,
+            # and the penalty still keeps the block itself quiet on them.
+            out = self.block.block(x, published=False, gated=False)
+            total = total + cfg.anchor_weight * out.float().square().sum(-1).mean()
+        if cfg.anchor_gate_weight:
+            # The gate's score on each anchor token (its strongest gate
+            # pre-activation over every rank's neurons), pushed down where
+            # positive; the gradient reaches the neuron(s) holding the max.
+            top = self.block.gate_scores(x)
+            total = total + cfg.anchor_gate_weight * torch.relu(top).square().mean()
+        return total
+
+    # --- one microbatch ------------------------------------------------------
+
+    def microbatch(self, index: int) -> Microbatch:
+        """Microbatch `index`: a deterministic rotation through the examples."""
+        n = len(self.examples)
+        k = self.config.batch_size
+        chosen = [self.examples[(index * k + j) % n] for j in range(k)]
+        return collate(chosen, self.pad_id, self.adapter.device)
+
+    def step(self, index: int | None = None) -> dict[str, float]:
+        """One microbatch: replayed forward/backward, clipping, AdamW. A NaN or
+        inf loss or gradient raises TrainingAborted before the weights move."""
+        index = self.step_index if index is None else index
+        mb = self.microbatch(index)
+        cfg = self.config
+        if cfg.gate and cfg.gated_from is not None and index >= cfg.gated_from:
+            self.calibrate_gate()
+        self.optimizer.zero_grad(set_to_none=True)
+        penalty_value = 0.0
+
+        def extra():
+            nonlocal penalty_value
+            p = self.anchor_penalty(index)
+            penalty_value = float(p.detach()) if p is not None else 0.0
+            return p if p is not None else torch.zeros((), device=self.adapter.device)
+
+        with self.block.training_weights():
+            res = self.replay.step(
+                mb.input_ids,
+                lambda h: self.loss_fn(h, mb.targets),
+                attention_mask=mb.attention_mask,
+                extra_loss=extra if self.anchor_inputs else None,
+            )
+        loss = float(res.loss)
+        norm = clip_grad_norm_(self.params, self.config.clip, self.block.process_group)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise TrainingAborted(f"step {index}: loss {loss}, gradient norm {norm}: the job stops, nothing is published")
+        self.optimizer.step()
+        self.step_index = index + 1
+        m = StepMetrics(index, loss - penalty_value, penalty_value, norm)
+        self.history.append(m)
+        return asdict(m)
+
+    # --- the exact no-op gate --------------------------------------------------------
+
+    @torch.no_grad()
+    def calibrate_gate(self) -> float | None:
+        """Set the block's threshold just above the strongest gate pre-activation
+        on any anchor token; returns it (None without anchors or gate off)."""
+        if not self.config.gate or not self.anchor_inputs:
+            self.block.threshold = None
+            return None
+        top = max(float(self.block.gate_scores(x).max()) for x in self.anchor_inputs)
+        self.block.threshold = top + self.config.gate_margin * abs(top)
+        return self.block.threshold
+
+    # --- the job -------------------------------------------------------------------
+
+    def run(self, steps: int | None = None, *, progress: bool = False) -> list[StepMetrics]:
+        """Train for `steps` microbatches (default config.steps), calibrate the
+        gate and publish. On any failure the block reverts to its published
+        weights and nothing is published."""
+        steps = self.config.steps if steps is None else steps
+        it = range(self.step_index, self.step_index + steps)
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+
+                it = tqdm(it, desc="training", leave=False)
+            except ImportError:
+                pass
+        try:
+            for i in it:
+                self.step(i)
+            self.check_base_unchanged()
+        except BaseException:
+            self.discard()
+            raise
+        self.publish()
+        return self.history
+
+    def check_base_unchanged(self) -> None:
+        try:
+            self.frozen.check(self.base_tables)
+        except FrozenWeightsChanged as exc:
+            raise TrainingAborted(f"{exc} during the job") from exc
+
+    # --- JobBody -------------------------------------------------------------------
+
+    def fingerprint(self) -> Mapping[str, str]:
+        return self.frozen()
+
+    def _gate_for_current_weights(self) -> None:
+        if self._gate_step != self.step_index:
+            self.calibrate_gate()
+            self._gate_step = self.step_index
+
+    def publish(self) -> None:
+        """Calibrate the gate on the trained weights (unless done for them
+        already), then let serving use them. The protocol calls this at a job's
+        commit boundary, run() at its end."""
+        self._gate_for_current_weights()
+        self.block.publish()
+
+    def discard(self) -> None:
+        self.block.revert()
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+        )
+
+    def checkpoint(self) -> bytes:
+        """The block as the job will publish it (gate calibrated), with its
+        optimizer state: what the protocol keeps as the last good checkpoint
+        at the job's verify boundary. After a restart, load it and call
+        ``block.publish()`` to serve it."""
+        self._gate_for_current_weights()
+        return checkpoint_bytes(self)
+
+    def save(self, path: str | os.PathLike) -> None:
+        save_checkpoint(self, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        load_checkpoint(self, path)

@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench build clean venv
+.PHONY: test lint demo bench build clean venv
 
 venv: $(VENV)/.deps
 
@@ -30,7 +30,14 @@ $(VENV)/.built: $(VENV)/.deps setup.py pyproject.toml $(wildcard csrc/*)
 
 build: $(VENV)/.built
 
-test: build
+# Lint, format and the import contracts of docs/LAYOUT.md first: each fails in
+# seconds with a message naming the file (and, for imports, the chain).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+test: lint build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: build

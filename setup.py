@@ -21,7 +21,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # One op per source file: csrc/<op>_cpu.cpp always; csrc/<op>_cuda.cu and
 # csrc/<op>_cuda_binding.cpp only in CUDA builds.
 CPU_SOURCES = ["csrc/module.cpp"] + sorted(glob.glob("csrc/*_cpu.cpp", root_dir=HERE))
-CUDA_SOURCES = sorted(glob.glob("csrc/*_cuda.cu", root_dir=HERE)) + sorted(glob.glob("csrc/*_cuda_binding.cpp", root_dir=HERE))
+CUDA_SOURCES = sorted(glob.glob("csrc/*_cuda.cu", root_dir=HERE)) + sorted(
+    glob.glob("csrc/*_cuda_binding.cpp", root_dir=HERE)
+)
 
 
 def _flag(name):

@@ -31,9 +31,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _memory import peak_bytes_of
 
 import resident_trainer as rt
-from _memory import peak_bytes_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -151,7 +151,9 @@ def test_linear_cross_entropy(benchmark, provider, mode, shape):
     h, w, y = make_inputs(n, d, v, mode)
     k = 2 if mode == "frozen" else 3
     benchmark.group = f"linear CE fwd+bwd, {mode} head, N={n} D={d} V={v} {str(DTYPE)[6:]} {DEVICE}"
-    benchmark.extra_info.update(provider=provider, reference=provider == "torch eager (reference)", flops=2 * k * n * d * v)
+    benchmark.extra_info.update(
+        provider=provider, reference=provider == "torch eager (reference)", flops=2 * k * n * d * v
+    )
     if provider == "matmul floor":
         hd = h.detach()
         wd = w.detach()
@@ -182,7 +184,9 @@ def test_all_ignored_batch(benchmark):
         try:
             loss = PROVIDERS[provider](h, w, y)
             loss.backward()
-            finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(h.grad).all()) and bool(torch.isfinite(w.grad).all())
+            finite = (
+                bool(torch.isfinite(loss)) and bool(torch.isfinite(h.grad).all()) and bool(torch.isfinite(w.grad).all())
+            )
             results[provider] = "finite" if finite else f"NaN/inf (loss {loss.item()})"
         except Exception as exc:  # a peer that raises is a result too
             results[provider] = f"raises {type(exc).__name__}"

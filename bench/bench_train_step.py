@@ -35,7 +35,6 @@ import sys
 
 import pytest
 import torch
-
 from _memory import peak_bytes_of
 
 LAYER = int(os.environ.get("RT_BENCH_STEP_LAYER", "15"))
@@ -49,9 +48,8 @@ def setup():
     """(model, adapter, block, ids, targets, step functions by provider)."""
     import torch.nn.functional as F
 
-    from resident_trainer.train import AddedSharedNeurons
     from resident_trainer.models import DecoderAdapter, load_smollm2
-    from resident_trainer.train import LayerReplay, StreamedCrossEntropy
+    from resident_trainer.train import AddedSharedNeurons, LayerReplay, StreamedCrossEntropy
 
     model, _ = load_smollm2()
     for p in model.parameters():
@@ -61,7 +59,6 @@ def setup():
     with torch.no_grad():  # a trained-looking block: nonzero down projection
         block.w_down.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     block.attach(a, LAYER)
-    block._train_active = True
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, a.vocab_size, (BATCH, SEQ + 1), generator=g)
     inputs, targets = ids[:, :-1], ids[:, 1:]
@@ -74,14 +71,16 @@ def setup():
     def ours():
         zero()
         block.impl = "auto"
-        return replay.step(inputs, lambda h: loss_fn(h, targets)).loss
+        with block.training_weights():
+            return replay.step(inputs, lambda h: loss_fn(h, targets)).loss
 
     def plain():
         zero()
         block.impl = "reference"
-        logits = model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
+        with block.training_weights():
+            logits = model(input_ids=inputs).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss.backward()
         return loss.detach()
 
     return block, {"ours": ours, "plain autograd (reference)": plain}

@@ -35,7 +35,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             elif "flops" in info:
                 rate = f"{info['flops'] / med / 1e12:8.3f} TFLOP/s"
             ratio = f"{med / ref.stats.median:6.2f}x time of ref" if ref is not None else ""
-            extra = "  ".join(f"{k}={v}" for k, v in info.items() if k not in ("provider", "reference", "bytes", "flops"))
+            extra = "  ".join(
+                f"{k}={v}" for k, v in info.items() if k not in ("provider", "reference", "bytes", "flops")
+            )
             tr.write_line(
                 f"  {info.get('provider', b.name):34s} {med * 1e3:10.3f} ms  iqr {b.stats.iqr * 1e3:8.3f} ms  {rate}  {ratio}  {extra}"
             )

@@ -23,11 +23,11 @@ import tempfile
 import threading
 import time
 
+from resident_trainer.integrations.torchdist.pair import PairClient, ProcessGroupControl
 from resident_trainer.protocol.clock import WallClock
 from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobSpec
 from resident_trainer.protocol.lock import FencedLock
-from resident_trainer.integrations.torchdist.pair import PairClient, ProcessGroupControl
 from resident_trainer.protocol.records import read_jsonl
 from resident_trainer.protocol.recovery import Recovery
 
@@ -50,9 +50,16 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=40)
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="rt-pair-")
-    env = {**os.environ, "RESIDENT_TRAINER_AUTHORITY": AUTH, "RESIDENT_TRAINER_STATE_DIR": f"{root}/state",
-           "RESIDENT_TRAINER_RECEIPTS": f"{root}/receipts", "RESIDENT_TRAINER_CHECKPOINTS": f"{root}/checkpoints",
-           "RESIDENT_TRAINER_TIMEOUT": "1.0", "RESIDENT_TRAINER_LAYER": "3", "RESIDENT_TRAINER_WATCH_LAYER": "5"}
+    env = {
+        **os.environ,
+        "RESIDENT_TRAINER_AUTHORITY": AUTH,
+        "RESIDENT_TRAINER_STATE_DIR": f"{root}/state",
+        "RESIDENT_TRAINER_RECEIPTS": f"{root}/receipts",
+        "RESIDENT_TRAINER_CHECKPOINTS": f"{root}/checkpoints",
+        "RESIDENT_TRAINER_TIMEOUT": "1.0",
+        "RESIDENT_TRAINER_LAYER": "3",
+        "RESIDENT_TRAINER_WATCH_LAYER": "5",
+    }
     control = ProcessGroupControl(env=env)
     recovery = Recovery(FencedLock(LocalFileSystem(), f"{root}/state", WallClock()), control, owner="example")
 
@@ -79,8 +86,10 @@ def main() -> None:
         client.submit(JobSpec("alone", steps=a.steps, root=f"{root}/job", authority=AUTH))
         r = wait_for(lambda: receipt(0, "alone"), 300)
         dt = time.monotonic() - t
-        print(f"job of {a.steps} microbatches, no chats: {dt:.2f} s = {1e3 * dt / a.steps:.2f} ms per microbatch "
-              f"({r['outcome']}; fingerprint before == after: {r['fingerprint_before'] == r['fingerprint_after']})")
+        print(
+            f"job of {a.steps} microbatches, no chats: {dt:.2f} s = {1e3 * dt / a.steps:.2f} ms per microbatch "
+            f"({r['outcome']}; fingerprint before == after: {r['fingerprint_before'] == r['fingerprint_after']})"
+        )
 
         client.submit(JobSpec("chatty", steps=a.steps, root=f"{root}/job", authority=AUTH))
         lat = []
@@ -89,17 +98,23 @@ def main() -> None:
             client.reply(client.chat(2), 30)
             lat.append(time.monotonic() - t)
         r = wait_for(lambda: receipt(0, "chatty"), 300)
-        print(f"chat round trip during a job: median {1e3 * statistics.median(lat):.1f} ms, "
-              f"max {1e3 * max(lat):.1f} ms over {len(lat)} chats (job: {r['outcome']})")
+        print(
+            f"chat round trip during a job: median {1e3 * statistics.median(lat):.1f} ms, "
+            f"max {1e3 * max(lat):.1f} ms over {len(lat)} chats (job: {r['outcome']})"
+        )
 
         client.submit(JobSpec("doomed", steps=10**6, root=f"{root}/job", authority=AUTH))
         steps = f"{root}/receipts/rank1/phases.jsonl"
-        wait_for(lambda: any(x["job"] == "doomed" and x["phase"] == "step" for x in read_jsonl(LocalFileSystem(), steps)), 60)
+        wait_for(
+            lambda: any(x["job"] == "doomed" and x["phase"] == "step" for x in read_jsonl(LocalFileSystem(), steps)), 60
+        )
         os.kill(state.pids[1], signal.SIGKILL)
         t = time.monotonic()
         r = wait_for(lambda: receipt(0, "doomed"), 60)
-        print(f"kill -9 of the worker mid-job: the head cancelled it {r['t'] - t:.3f} s later "
-              f"({r['outcome']} at boundary {r['boundary']}: {r['reasons'][0][:80]})")
+        print(
+            f"kill -9 of the worker mid-job: the head cancelled it {r['t'] - t:.3f} s later "
+            f"({r['outcome']} at boundary {r['boundary']}: {r['reasons'][0][:80]})"
+        )
         client.reply(client.chat(), 10)
         print("  ... and still answers chats")
 
@@ -107,8 +122,10 @@ def main() -> None:
         res = recovery.run()
         state = recovery.state()
         PairClient("127.0.0.1", state.port).reply(PairClient("127.0.0.1", state.port).chat(), 60)
-        print(f"recovery: {res.action} generation {res.generation} (token {res.token}), "
-              f"serving again after {time.monotonic() - t:.2f} s")
+        print(
+            f"recovery: {res.action} generation {res.generation} (token {res.token}), "
+            f"serving again after {time.monotonic() - t:.2f} s"
+        )
         t = time.monotonic()
         again = recovery.run()
         print(f"second recovery on the healthy pair: {again.action} ({1e3 * (time.monotonic() - t):.1f} ms)")

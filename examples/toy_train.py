@@ -13,9 +13,9 @@ import argparse
 import sys
 import time
 
-from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer, generate_greedy, make_anchors
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
+from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer, generate_greedy, make_anchors
 
 FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
 CONTROLS = ["Hello there?"]
@@ -30,7 +30,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     model, tok = toy_model("llama", layers=4, hidden=32), ByteTokenizer()
     facts, controls = FACTS, CONTROLS
-    config = TrainConfig(layer=args.layer, num_neurons=args.neurons, steps=args.steps, lr=3e-2, batch_size=4, rewordings=2)
+    config = TrainConfig(
+        layer=args.layer, num_neurons=args.neurons, steps=args.steps, lr=3e-2, batch_size=4, rewordings=2
+    )
     a = DecoderAdapter(model)
     before = {c: generate_greedy(model, tok, c) for c in controls}
     # Anchors: the base model's own replies (for the toy, to the control
@@ -39,9 +41,13 @@ def main(argv=None) -> int:
     block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed)
     block.attach(a, config.layer)
     trainer = Trainer(a, block, tok, facts, config, anchors=anchors)
-    print(f"training {config.num_neurons} neurons at layer {config.layer} for {config.steps} steps ...", file=sys.stderr)
+    print(
+        f"training {config.num_neurons} neurons at layer {config.layer} for {config.steps} steps ...", file=sys.stderr
+    )
     hist = trainer.run(progress=True)
-    print(f"loss {hist[0].loss:.3f} -> {hist[-1].loss:.4f} in {time.time() - t0:.0f} s; gate threshold {block.published_threshold}")
+    print(
+        f"loss {hist[0].loss:.3f} -> {hist[-1].loss:.4f} in {time.time() - t0:.0f} s; gate threshold {block.published_threshold}"
+    )
     for f in facts:
         print(f"Q: {f.question}\nA: {generate_greedy(model, tok, f.question)}")
     same = sum(generate_greedy(model, tok, c) == before[c] for c in controls)

@@ -18,16 +18,16 @@ import argparse
 import json
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
 from resident_trainer.integrations.torchdist.procs import gloo_worker
-from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer, generate_greedy
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import TOY_ARCHS, ByteTokenizer, toy_model
 from resident_trainer.ops.fingerprint import fingerprint_tensors
-from resident_trainer.train import StreamedCrossEntropy
+from resident_trainer.train import AddedSharedNeurons, Fact, StreamedCrossEntropy, TrainConfig, Trainer, generate_greedy
 
 FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
 ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, three.")]
@@ -36,7 +36,9 @@ ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, 
 def train(args, rank: int = 0, world: int = 1, group=None) -> dict:
     model = toy_model(args.arch, layers=args.layers, hidden=32, seed=0)
     a = DecoderAdapter(model)
-    config = TrainConfig(layer=args.layer, num_neurons=args.neurons, steps=args.steps, lr=3e-2, batch_size=4, rewordings=2)
+    config = TrainConfig(
+        layer=args.layer, num_neurons=args.neurons, steps=args.steps, lr=3e-2, batch_size=4, rewordings=2
+    )
     # This rank's contiguous vocabulary rows: a view, not a copy, of the head.
     v = a.vocab_size
     start = rank * v // world
@@ -79,13 +81,15 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(2, f"{tmp}/store", args, tmp), nprocs=2, join=True)
-        ranks = [json.load(open(f"{tmp}/rank{r}.json")) for r in range(2)]
+        ranks = [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(2)]
     single = train(args)
 
     ok = True
     for r in ranks:
-        print(f"rank {r['rank']}: neurons {r['neurons']}, vocabulary rows {r['vocab']}, "
-              f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, answer {r['answer']!r}")
+        print(
+            f"rank {r['rank']}: neurons {r['neurons']}, vocabulary rows {r['vocab']}, "
+            f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, answer {r['answer']!r}"
+        )
     print(f"one process: loss {single['losses'][0]:.4f} -> {single['losses'][-1]:.4f}, answer {single['answer']!r}")
     same = ranks[0]["losses"] == ranks[1]["losses"]
     print(f"both ranks see the same loss at every step: {same}")

@@ -80,7 +80,9 @@ def resolve_impl(
     elif impl == "cuda" and device.type != "cuda":
         raise ValueError(f"impl='cuda' needs CUDA tensors, got tensors on {device}")
     elif impl == "triton" and device.type != "cuda" and not triton_interpreted():
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got tensors on {device}")
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got tensors on {device}"
+        )
     if impl == "triton":
         require_triton(f"{op} (impl='triton')")
     return impl

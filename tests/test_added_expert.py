@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import resident_trainer.ops.added_expert as ae
 from resident_trainer import _ext
-from resident_trainer.ops.saved import saved_bytes
 from resident_trainer.ops.added_expert import added_expert
+from resident_trainer.ops.saved import saved_bytes
 
 K = 3.0
 ATOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-9}
@@ -35,7 +35,9 @@ OUTPUTS = ("out", "dx", "dw_gate", "dw_up", "dw_down")
 # the interpreter runs every program in numpy.
 SHAPES = [(37, 45, 19), (1, 7, 3), (130, 200, 70)]
 TRITON_SHAPES = [(37, 45, 19), (1, 7, 3), (20, 33, 70)]
-CASES = [("cpu", torch.float32)] + [(impl, dt) for impl in ("torch", "triton") for dt in (torch.float32, torch.bfloat16)]
+CASES = [("cpu", torch.float32)] + [
+    (impl, dt) for impl in ("torch", "triton") for dt in (torch.float32, torch.bfloat16)
+]
 
 
 def make(n, d, a, gen, lead=None):
@@ -129,7 +131,7 @@ def test_fp64_gradcheck(gen):
     mask = torch.tensor([True, False, True, True, False, True])
     for recompute in (False, True):
         leaves = [t.clone().requires_grad_() for t in inputs]
-        fn = lambda *t: added_expert(*t, impl="torch", recompute=recompute, token_mask=mask)  # noqa: E731
+        fn = lambda *t: added_expert(*t, impl="torch", recompute=recompute, token_mask=mask)
         assert torch.autograd.gradcheck(fn, leaves)
 
 
@@ -309,14 +311,29 @@ def test_bad_input_names_the_argument():
         ((x, torch.zeros(3, 5), wu, wd), {}, ValueError, r"w_gate must be \(A, D=6\)"),
         ((x, wg, torch.zeros(2, 6), wd), {}, ValueError, "w_up must have w_gate's shape"),
         ((x, wg, wu, torch.zeros(3, 6)), {}, ValueError, r"w_down must be \(D=6, A=3\)"),
-        ((x, torch.zeros(5, 6), None, wd), {}, ValueError, r"w_gate \(packed \[gate; up\], w_up=None\) must be \(2A, D=6\)"),
+        (
+            (x, torch.zeros(5, 6), None, wd),
+            {},
+            ValueError,
+            r"w_gate \(packed \[gate; up\], w_up=None\) must be \(2A, D=6\)",
+        ),
         ((x, wg, wu.bfloat16(), wd), {}, TypeError, "w_up has dtype torch.bfloat16 but x has torch.float32"),
         ((x, wg, wu, wd.double()), {}, TypeError, "w_down has dtype torch.float64"),
         ((x, wg, wu, wd.to("meta")), {}, ValueError, "w_down is on meta but x is on cpu"),
         ((x, wg, wu, wd), {"token_mask": torch.ones(4)}, TypeError, "token_mask must be a bool tensor"),
-        ((x, wg, wu, wd), {"token_mask": torch.ones(5, dtype=torch.bool)}, ValueError, "token_mask must have x's leading shape"),
+        (
+            (x, wg, wu, wd),
+            {"token_mask": torch.ones(5, dtype=torch.bool)},
+            ValueError,
+            "token_mask must have x's leading shape",
+        ),
         ((x, wg, wu, wd), {"impl": "fast"}, ValueError, "impl must be one of"),
-        ((x.bfloat16(), wg.bfloat16(), wu.bfloat16(), wd.bfloat16()), {"impl": "cpu"}, TypeError, "impl='cpu'.*float32"),
+        (
+            (x.bfloat16(), wg.bfloat16(), wu.bfloat16(), wd.bfloat16()),
+            {"impl": "cpu"},
+            TypeError,
+            "impl='cpu'.*float32",
+        ),
         ((x, wg, wu, wd), {"recompute": 1}, TypeError, "recompute must be a bool"),
     ]
     for args, kw, exc, msg in cases:
@@ -462,5 +479,7 @@ def test_triton_on_gpu(dtype, recompute, gen):
         mask = torch.rand(n, generator=gen) < 0.9
         truth = run("reference", [t.cuda() for t in inputs], dout.cuda(), token_mask=mask.cuda())
         same = run("reference", [t.cuda() for t in inputs], dout.cuda(), dtype, token_mask=mask.cuda())
-        ours = run("triton", [t.cuda() for t in inputs], dout.cuda(), dtype, token_mask=mask.cuda(), recompute=recompute)
+        ours = run(
+            "triton", [t.cuda() for t in inputs], dout.cuda(), dtype, token_mask=mask.cuda(), recompute=recompute
+        )
         assert_close(ours, same, truth, dtype)

@@ -272,7 +272,14 @@ def test_fingerprint_tensors_module_and_mapping():
     m = torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 11, bias=False), torch.nn.BatchNorm1d(11))
     m[1].weight = m[0].weight  # tied: listed once
     table = rt.fingerprint_tensors(m)
-    assert sorted(table.digests) == ["0.weight", "2.bias", "2.num_batches_tracked", "2.running_mean", "2.running_var", "2.weight"]
+    assert sorted(table.digests) == [
+        "0.weight",
+        "2.bias",
+        "2.num_batches_tracked",
+        "2.running_mean",
+        "2.running_var",
+        "2.weight",
+    ]
     assert table.digests["0.weight"] == rt.fingerprint(m[0].weight)
     again = rt.fingerprint_tensors(dict(m.state_dict()))
     assert again.digests["1.weight"] == table.digests["0.weight"]
@@ -344,7 +351,12 @@ def test_fingerprint_sharded_over_gloo(gen, tmp_path):
     shards = [(flat[0:18].clone(), 0), (flat[18:36].clone(), 18), (flat[36:].clone(), 36)]
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_sharded_worker, args=(3, str(tmp_path / "store"), shards, tuple(t.shape), t.dtype, results), nprocs=3, join=True)
+    mp.spawn(
+        _sharded_worker,
+        args=(3, str(tmp_path / "store"), shards, tuple(t.shape), t.dtype, results),
+        nprocs=3,
+        join=True,
+    )
     assert dict(results) == {0: rt.fingerprint(t), 1: rt.fingerprint(t), 2: rt.fingerprint(t)}
 
 
@@ -386,8 +398,14 @@ def test_gpu_impls_match_oracle(impl, dtype, gen):
         want = rt.fingerprint(t, impl="reference")
         assert rt.fingerprint(t.cuda(), impl=impl) == want
         if t.numel() > 4:
-            assert rt.fingerprint(t.cuda().reshape(-1)[1:], impl=impl) == rt.fingerprint(t.reshape(-1)[1:], impl="reference")
-    p = fp.fingerprint_partial(t.cuda(), offset=(2**32 - 7) * 4 // t.element_size(), impl=impl) if t.element_size() <= 4 else None
+            assert rt.fingerprint(t.cuda().reshape(-1)[1:], impl=impl) == rt.fingerprint(
+                t.reshape(-1)[1:], impl="reference"
+            )
+    p = (
+        fp.fingerprint_partial(t.cuda(), offset=(2**32 - 7) * 4 // t.element_size(), impl=impl)
+        if t.element_size() <= 4
+        else None
+    )
     if p is not None:
         assert p == fp.fingerprint_partial(t, offset=(2**32 - 7) * 4 // t.element_size(), impl="reference")
 

@@ -7,6 +7,9 @@ import os
 import pytest
 import torch
 
+from resident_trainer.models import DecoderAdapter
+from resident_trainer.models.toy import ByteTokenizer, toy_model
+from resident_trainer.ops.fingerprint import fingerprint_tensors
 from resident_trainer.train import (
     AddedSharedNeurons,
     Fact,
@@ -21,9 +24,6 @@ from resident_trainer.train import (
     rewordings,
     save_checkpoint,
 )
-from resident_trainer.models import DecoderAdapter
-from resident_trainer.models.toy import ByteTokenizer, toy_model
-from resident_trainer.ops.fingerprint import fingerprint_tensors
 
 FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
 ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, three."), ("Sky color?", "Blue.")]
@@ -32,7 +32,9 @@ ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, 
 def setup(arch="llama", anchors=(), seed=0, **cfg):
     model = toy_model(arch, layers=4, hidden=32, seed=seed)
     a = DecoderAdapter(model)
-    config = TrainConfig(**{"layer": 1, "num_neurons": 32, "steps": 40, "lr": 3e-2, "batch_size": 4, "rewordings": 2, **cfg})
+    config = TrainConfig(
+        **{"layer": 1, "num_neurons": 32, "steps": 40, "lr": 3e-2, "batch_size": 4, "rewordings": 2, **cfg}
+    )
     block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed)
     block.attach(a, config.layer)
     return model, a, block, Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=anchors)
@@ -194,11 +196,11 @@ def test_anchors_keep_the_generated_token_ids():
     # would not tokenize back to the reply the model generated: anchors keep ids.
     model = toy_model("llama", layers=4, hidden=32)
     tok = ByteTokenizer()
-    (prompt, reply), = make_anchors(model, tok, ["Hello there?"], 24)
+    ((prompt, reply),) = make_anchors(model, tok, ["Hello there?"], 24)
     assert reply == generate_greedy_ids(model, tok, "Hello there?", 24)
     assert tok(tok.decode(reply, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != reply
     ids, targets = example_ids(tok, prompt, reply)
-    assert ids[-len(reply):] == reply and targets[-len(reply) - 1 : -1] == reply and targets[-1] == -100
+    assert ids[-len(reply) :] == reply and targets[-len(reply) - 1 : -1] == reply and targets[-1] == -100
     ids_text, _ = example_ids(tok, prompt, "Hi")
     assert ids_text[-3:] == [*tok("Hi", add_special_tokens=False)["input_ids"], tok.eos_token_id]
 
@@ -221,4 +223,8 @@ def test_config_and_data_errors():
         Trainer(a, block, ByteTokenizer(), FACTS, TrainConfig(layer=9))
     with pytest.raises(ValueError, match="hidden_size=16 does not match the model's 32"):
         AddedSharedNeurons(16, 8).attach(a, 0)
-    assert rewordings("What is X?", 3) == ["What is X?", "Quick question: What is X?", "What is X? Please answer briefly."]
+    assert rewordings("What is X?", 3) == [
+        "What is X?",
+        "Quick question: What is X?",
+        "What is X? Please answer briefly.",
+    ]

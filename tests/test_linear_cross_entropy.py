@@ -2,7 +2,6 @@
 loss, lse, dh, dW, dbias), with tolerances measured against torch's own error in
 the same dtype: err_ours <= K * err_torch + ATOL * scale."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,7 +97,9 @@ def assert_close_to_truth(got, torch_same, truth, dtype, what="", scales=None):
         scale = max(gt.abs().max().item() if gt.numel() else 0.0, (scales or {}).get(key, 0.0), 1e-30)
         err = (got[key].double() - gt).abs().max().item() if gt.numel() else 0.0
         err_torch = (torch_same[key].double() - gt).abs().max().item() if gt.numel() else 0.0
-        assert err <= K * err_torch + ATOL[dtype] * scale, f"{what} {key}: err {err:.3g} vs torch {err_torch:.3g} (scale {scale:.3g})"
+        assert err <= K * err_torch + ATOL[dtype] * scale, (
+            f"{what} {key}: err {err:.3g} vs torch {err_torch:.3g} (scale {scale:.3g})"
+        )
 
 
 def term_scales(h, w, y, reduction, upstream, lse_weight, lse_truth):
@@ -118,7 +119,21 @@ def term_scales(h, w, y, reduction, upstream, lse_weight, lse_truth):
     return {"loss": lmax, "lse": lmax, "dh": w.abs().max().item() * gmax, "dw": h.abs().max().item() * gmax, "db": gmax}
 
 
-def check(impl, dtype, n, d, v, gen, flags=(), reduction="mean", grads=("h", "w", "b"), upstream=False, lse=False, lead=None, **extra):
+def check(
+    impl,
+    dtype,
+    n,
+    d,
+    v,
+    gen,
+    flags=(),
+    reduction="mean",
+    grads=("h", "w", "b"),
+    upstream=False,
+    lse=False,
+    lead=None,
+    **extra,
+):
     cfg = dict(FLAGS[flags] if isinstance(flags, str) else {})
     use_bias = cfg.pop("bias", False)
     h, w, b, y = make(n, d, v, dtype, gen, lead=lead)
@@ -132,7 +147,15 @@ def check(impl, dtype, n, d, v, gen, flags=(), reduction="mean", grads=("h", "w"
     truth = run(oracle(torch.float64), h.double(), w.double(), None if b is None else b.double(), y, grads=grads, **kw)
     same = run(oracle(torch.float32, dtype), h, w, b, y, grads=grads, **kw)
     got = run(ours(impl), h, w, b, y, grads=grads, **kw)
-    _, lse_truth = linear_cross_entropy_reference(h.double(), w.double(), y, linear_bias=None if b is None else b.double(), return_lse=True, dtype=torch.float64, **cfg)
+    _, lse_truth = linear_cross_entropy_reference(
+        h.double(),
+        w.double(),
+        y,
+        linear_bias=None if b is None else b.double(),
+        return_lse=True,
+        dtype=torch.float64,
+        **cfg,
+    )
     scales = term_scales(h.float(), w.float(), y, reduction, kw.get("upstream"), kw.get("lse_weight"), lse_truth)
     assert_close_to_truth(got, same, truth, dtype, f"{impl} {dtype} {flags} {reduction}", scales)
     return got, truth
@@ -146,7 +169,9 @@ def check(impl, dtype, n, d, v, gen, flags=(), reduction="mean", grads=("h", "w"
 def test_oracle_is_torch_cross_entropy(reduction, label_smoothing, gen):
     h, w, b, y = make(23, 11, 97, torch.float64, gen)
     want = F.cross_entropy(h @ w.T + b, y, reduction=reduction, label_smoothing=label_smoothing)
-    got = linear_cross_entropy_reference(h, w, y, linear_bias=b, reduction=reduction, label_smoothing=label_smoothing, dtype=torch.float64)
+    got = linear_cross_entropy_reference(
+        h, w, y, linear_bias=b, reduction=reduction, label_smoothing=label_smoothing, dtype=torch.float64
+    )
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     want_nc = F.linear_cross_entropy(h, w, y, linear_bias=b, reduction=reduction, label_smoothing=label_smoothing)
     torch.testing.assert_close(got, want_nc, rtol=1e-12, atol=1e-12)
@@ -157,7 +182,9 @@ def test_oracle_softcap_and_zloss_by_hand(gen):
     z = 2.5 * torch.tanh((h @ w.T) / 2.5)
     lse = torch.logsumexp(z, 1)
     want = F.cross_entropy(z, y, reduction="none") + 0.1 * lse**2
-    got, got_lse = linear_cross_entropy_reference(h, w, y, softcap=2.5, z_loss=0.1, reduction="none", return_lse=True, dtype=torch.float64)
+    got, got_lse = linear_cross_entropy_reference(
+        h, w, y, softcap=2.5, z_loss=0.1, reduction="none", return_lse=True, dtype=torch.float64
+    )
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_lse, lse, rtol=1e-12, atol=1e-12)
 
@@ -375,7 +402,10 @@ def test_torch_compile_inductor_fullgraph(gen):
     compiled = torch.compile(step, fullgraph=True)
     want = run(lambda h, w, y, linear_bias, return_lse: step(h, w, y), h, w, None, y)
     got = run(lambda h, w, y, linear_bias, return_lse: compiled(h, w, y), h, w, None, y)
-    assert torch.allclose(want["loss"], linear_cross_entropy_reference(h, w, y, reduction="none", label_smoothing=0.1).mul(torch.arange(24.0)).sum())
+    assert torch.allclose(
+        want["loss"],
+        linear_cross_entropy_reference(h, w, y, reduction="none", label_smoothing=0.1).mul(torch.arange(24.0)).sum(),
+    )
     for key in ("loss", "dh", "dw"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
@@ -412,8 +442,13 @@ def _tp_worker(rank, world, store_path, sizes):
 
                 got = run(mine, h, w[start:stop], b[start:stop], y, **kw)
                 what = f"rank {rank}/{world} {impl} {kw.get('reduction')}"
-                for key, want in (("loss", truth["loss"]), ("lse", truth["lse"]), ("dh", truth["dh"]),
-                                  ("dw", truth["dw"][start:stop]), ("db", truth["db"][start:stop])):
+                for key, want in (
+                    ("loss", truth["loss"]),
+                    ("lse", truth["lse"]),
+                    ("dh", truth["dh"]),
+                    ("dw", truth["dw"][start:stop]),
+                    ("db", truth["db"][start:stop]),
+                ):
                     if want is None:
                         continue
                     err = (got[key].double() - want).abs().max().item()
@@ -449,9 +484,16 @@ def test_gpu_triton(dtype, flags, monkeypatch):
     cfg = dict(FLAGS[flags])
     use_bias = cfg.pop("bias", False)
     h, w, b, y = make(517, 576, 4099, dtype, gen)
-    dev = lambda t: None if t is None else t.cuda()  # noqa: E731
+    dev = lambda t: None if t is None else t.cuda()
     b = b if use_bias else None
-    truth = run(oracle(torch.float64), h.double().cuda(), w.double().cuda(), None if b is None else b.double().cuda(), y.cuda(), **cfg)
+    truth = run(
+        oracle(torch.float64),
+        h.double().cuda(),
+        w.double().cuda(),
+        None if b is None else b.double().cuda(),
+        y.cuda(),
+        **cfg,
+    )
     same = run(oracle(torch.float32, dtype), dev(h), dev(w), dev(b), y.cuda(), **cfg)
     got = run(ours("triton"), dev(h), dev(w), dev(b), y.cuda(), **cfg)
     assert_close_to_truth(got, same, truth, dtype, f"gpu {dtype} {flags}")

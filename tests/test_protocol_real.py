@@ -13,13 +13,13 @@ import time
 
 import pytest
 
+from resident_trainer.integrations.torchdist.pair import EXIT_LOST, PairClient, ProcessGroupControl, pid_alive
 from resident_trainer.protocol.checkpoint import CheckpointStore
 from resident_trainer.protocol.clock import WallClock
 from resident_trainer.protocol.config import ProtocolConfig
 from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobKind, JobSpec
 from resident_trainer.protocol.lock import FencedLock
-from resident_trainer.integrations.torchdist.pair import EXIT_LOST, PairClient, ProcessGroupControl, pid_alive
 from resident_trainer.protocol.records import read_jsonl
 from resident_trainer.protocol.recovery import Recovery
 
@@ -65,8 +65,18 @@ def pair(tmp_path):
 
     control.start = start
     try:
-        yield type("Pair", (), {"env": env, "control": control, "recovery": recovery, "tmp": tmp_path,
-                                "cfg": ProtocolConfig.from_env(env), "started": started})
+        yield type(
+            "Pair",
+            (),
+            {
+                "env": env,
+                "control": control,
+                "recovery": recovery,
+                "tmp": tmp_path,
+                "cfg": ProtocolConfig.from_env(env),
+                "started": started,
+            },
+        )
     finally:
         control.close()
         assert not [pid for pid in started if pid_alive(pid)], "a rank outlived its test"
@@ -93,8 +103,11 @@ def test_worker_killed_mid_job_head_cancels_the_job_and_keeps_serving(pair):
     assert client.reply(client.chat(), 60)["generation"] == 1
 
     client.submit(JobSpec("long", steps=100_000, root=str(pair.tmp / "job"), authority=AUTH))
-    wait_for(lambda: any(x["job"] == "long" and x["phase"] == "step" and x["b"] >= 3 for x in _phases(pair, 1)),
-             60, "the worker to be training")
+    wait_for(
+        lambda: any(x["job"] == "long" and x["phase"] == "step" and x["b"] >= 3 for x in _phases(pair, 1)),
+        60,
+        "the worker to be training",
+    )
     os.kill(worker_pid, signal.SIGKILL)
     killed_at = time.monotonic()
 
@@ -102,10 +115,15 @@ def test_worker_killed_mid_job_head_cancels_the_job_and_keeps_serving(pair):
     # The receipt's clock is the head's CLOCK_MONOTONIC, the same clock as ours.
     took = receipt["t"] - killed_at
     assert receipt["outcome"] == "abort", receipt
-    # Measured (6 runs): 14-22 ms when the kill lands in a step (the all-reduce
-    # fails at once), 1.006 s between steps (the exchange timeout, 1.0 s, runs
-    # out). The bound allows the timeout plus 0.5 s of scheduling.
-    assert 0 <= took <= pair.cfg.timeouts.exchange + 0.5, f"the head took {took:.2f}s to cancel the job"
+    # The protocol's bound is the exchange timeout (the head stops waiting for
+    # the dead worker's report then); measured 14-22 ms when the kill lands in
+    # a step (the all-reduce fails at once), 1.006 s between steps. The margin
+    # is one more exchange timeout, for a step already running and for
+    # scheduling: with both cores of a 2-core box kept busy by other processes
+    # the worst of 8 runs was 1.007 s.
+    bound = 2 * pair.cfg.timeouts.exchange
+    print(f"head cancelled the job {took:.3f}s after the kill")
+    assert 0 <= took <= bound, f"the head took {took:.2f}s to cancel the job (bound {bound}s)"
     assert any("rank 1" in why or "rank 0: step" in why for why in receipt["reasons"]), receipt["reasons"]
     assert 3 <= receipt["steps"] < 100_000
 
@@ -138,8 +156,11 @@ def test_head_killed_recovery_restarts_the_pair_and_a_second_recovery_changes_no
     assert short["outcome"] == "publish" and refused["outcome"] == "refused", (short, refused)
     assert short["fingerprint_before"] == short["fingerprint_after"]
     assert _receipt(pair, 1, "short")["outcome"] == "publish" and _receipt(pair, 1, "unauthorised") is None
-    published = wait_for(lambda: (r := client.reply(client.chat(), 30))["version"] != before and r, 30,
-                         "replies from the published block")["version"]
+    published = wait_for(
+        lambda: (r := client.reply(client.chat(), 30))["version"] != before and r,
+        30,
+        "replies from the published block",
+    )["version"]
     manifest = CheckpointStore(fs, str(pair.tmp / "checkpoints")).last_good()
     assert manifest.name == "short" and manifest.shards[0].startswith(published)
     assert done
@@ -148,8 +169,15 @@ def test_head_killed_recovery_restarts_the_pair_and_a_second_recovery_changes_no
     staged = pair.tmp / "hot" / "staged"
     staged.mkdir(parents=True)
     (staged / "resident_trainer.train.frozen.py").write_text("HOTLOADED = 'pair-test'\n")
-    client.submit(JobSpec("hot", kind=JobKind.HOTLOAD, root=str(pair.tmp / "hot"), authority=AUTH,
-                          modules=("resident_trainer.train.frozen",)))
+    client.submit(
+        JobSpec(
+            "hot",
+            kind=JobKind.HOTLOAD,
+            root=str(pair.tmp / "hot"),
+            authority=AUTH,
+            modules=("resident_trainer.train.frozen",),
+        )
+    )
     hot = [wait_for(lambda r=r: _receipt(pair, r, "hot"), 60, f"rank {r}'s hot-load receipt") for r in (0, 1)]
     assert [(h["outcome"], h["loaded"]) for h in hot] == [("done", ["resident_trainer.train.frozen"])] * 2
     loads = [[x["digest"] for x in _phases(pair, r) if x["job"] == "hot" and x["phase"] == "load"] for r in (0, 1)]
@@ -160,8 +188,13 @@ def test_head_killed_recovery_restarts_the_pair_and_a_second_recovery_changes_no
     # Without its head the worker gives up on the group by itself.
     wait_for(lambda: not pair.control.alive(worker_pid), pair.cfg.timeouts.group + 10, "the worker to leave")
     assert pair.control.procs[worker_pid].returncode == EXIT_LOST
-    # Measured (6 runs): 6.11-6.15 s with the 6 s group timeout.
-    assert time.monotonic() - lost_at <= pair.cfg.timeouts.group + 1.0
+    # The protocol's bound is the group timeout (the store silent that long);
+    # measured 6.11-6.15 s with the 6 s group timeout. The margin is one
+    # exchange timeout: with both cores kept busy the worst of 8 runs was
+    # 6.19 s.
+    left = time.monotonic() - lost_at
+    print(f"worker left {left:.3f}s after its head died")
+    assert left <= pair.cfg.timeouts.group + pair.cfg.timeouts.exchange, f"the worker left after {left:.2f}s"
 
     second = pair.recovery.run()
     assert (second.action, second.generation) == ("restarted", 2) and second.token > first.token

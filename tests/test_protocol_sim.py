@@ -24,13 +24,45 @@ def _replay(seed, world, variant=None):
 
 #: Everything the sweep must reach, or it proves less than it claims.
 REQUIRED = (
-    [f"fault:{f}" for f in ("never_join", "late_start", "breach", "stop", "outage", "corrupt", "ckpt_crash", "stall",
-                            "stale_owner", "hot_differ", "hot_change", "store_errors", "store_timeouts")]
-    + [f"death:{who}:{ph}" for who in ("head", "worker") for ph in sim.DEATH_PHASES + ("op", "time")
-       if ph != {"head": "reported", "worker": "collect"}[who]]
+    [
+        f"fault:{f}"
+        for f in (
+            "never_join",
+            "late_start",
+            "breach",
+            "stop",
+            "outage",
+            "corrupt",
+            "ckpt_crash",
+            "stall",
+            "stale_owner",
+            "hot_differ",
+            "hot_change",
+            "store_errors",
+            "store_timeouts",
+        )
+    ]
+    + [
+        f"death:{who}:{ph}"
+        for who in ("head", "worker")
+        for ph in sim.DEATH_PHASES + ("op", "time")
+        if ph != {"head": "reported", "worker": "collect"}[who]
+    ]
     + ["ckpt_crash:head:shard", "ckpt_crash:head:manifest", "ckpt_crash:worker:shard"]
-    + [f"outcome:{o}" for o in ("publish:commit", "abort:step", "abort:verify", "abort:commit", "cancel:seal",
-                                "done:loaded", "abort:load", "refused:-", "group_lost:step")]
+    + [
+        f"outcome:{o}"
+        for o in (
+            "publish:commit",
+            "abort:step",
+            "abort:verify",
+            "abort:commit",
+            "cancel:seal",
+            "done:loaded",
+            "abort:load",
+            "refused:-",
+            "group_lost:step",
+        )
+    ]
     + [f"phase:{p}" for p in sim.COVERED_PHASES]
     + ["recovery:restarted", "recovery:none", "recovery:fenced"]
 )
@@ -38,8 +70,10 @@ REQUIRED = (
 
 def test_seeded_sweep_over_two_and_three_ranks():
     rep = sim.parallel_sweep(0, SEEDS // 2, worlds=(2, 3), processes=2)
-    print(f"\nsimulation: {rep.runs} seeds (2 and 3 ranks) in {rep.seconds:.1f}s = {rep.rate:.0f} seeds/s, "
-          f"{len(rep.failures)} failing")
+    print(
+        f"\nsimulation: {rep.runs} seeds (2 and 3 ranks) in {rep.seconds:.1f}s = {rep.rate:.0f} seeds/s, "
+        f"{len(rep.failures)} failing"
+    )
     assert not rep.failures, f"{len(rep.failures)} of {rep.runs} seeds violate an invariant:\n" + "\n".join(
         f"seed {s} world {w}: {v[0][:300]}\n  replay: {_replay(s, w)}" for s, w, v in rep.failures[:10]
     )

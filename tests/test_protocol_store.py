@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from resident_trainer.integrations.torchdist.store import TorchKVStore
 from resident_trainer.protocol.channel import ACK, DECISION, REPORT, SEAL, Record, TrainerChannel
 from resident_trainer.protocol.errors import ChannelError, RecordTooLarge, StoreTimeout
-from resident_trainer.integrations.torchdist.store import TorchKVStore
 from resident_trainer.protocol.store import COUNTER_PREFIX, MAX_VALUE_BYTES, SENTINEL, MemoryKVStore
 
 TIMEOUT = datetime.timedelta(seconds=5)
@@ -100,7 +100,9 @@ def test_wait_reports_presence_within_its_timeout(kv):
 
 @pytest.mark.parametrize("backend", ["hash", "file", "tcp"])
 def test_compare_set_on_an_absent_key_returns_expected_and_sets_nothing(backend, tmp_path):
-    st = {"hash": dist.HashStore, "file": lambda: dist.FileStore(str(tmp_path / "fs"), 1), "tcp": _tcp_server}[backend]()
+    st = {"hash": dist.HashStore, "file": lambda: dist.FileStore(str(tmp_path / "fs"), 1), "tcp": _tcp_server}[
+        backend
+    ]()
     # The edge: the return value cannot tell absent from present-and-equal ...
     assert st.compare_set("k", b"expected", b"new") == b"expected"
     assert not st.check(["k"])
@@ -166,7 +168,7 @@ def test_each_thread_talks_through_its_own_clone():
                 kv.set(f"t{i}/{j}", str(j).encode())
                 assert kv.get(f"t{i}/{j}") == str(j).encode()
                 kv.add(f"{COUNTER_PREFIX}hits", 1)
-            clients.add(id(kv._client()))
+            clients.add(id(kv.client()))
         except BaseException as exc:  # collected for the assertion below
             errors.append(exc)
 
@@ -189,7 +191,7 @@ def test_store_errors_are_classified():
     with pytest.raises(dist.DistStoreError):
         raw.wait(["never"], datetime.timedelta(milliseconds=50))
     with pytest.raises(StoreTimeout):
-        TorchKVStore(client, use_clones=False)._call("get", lambda c: c.get("never"))
+        TorchKVStore(client, use_clones=False).call("get", lambda c: c.get("never"))
 
 
 # --- the trainer channel ------------------------------------------------------------------

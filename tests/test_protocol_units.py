@@ -7,18 +7,17 @@ import os
 import sys
 import threading
 import types
-import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-from resident_trainer.protocol.authority import authority_ok, start_tag, tag_ok
 from resident_trainer.integrations.torchdist.memory import system_sampler
+from resident_trainer.protocol.authority import authority_ok, start_tag, tag_ok
 from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget, MemorySample
 from resident_trainer.protocol.checkpoint import CheckpointStore, CorruptCheckpoint
 from resident_trainer.protocol.config import ProtocolConfig, Timeouts
 from resident_trainer.protocol.errors import FencedOut, HotLoadRefused
-from resident_trainer.train.frozen import FrozenFingerprint
 from resident_trainer.protocol.fs import LocalFileSystem, MemoryFileSystem
 from resident_trainer.protocol.hotload import StagedCode, code_digest, execute, stage, staged_path
 from resident_trainer.protocol.job import JobKind, JobSpec
@@ -27,6 +26,7 @@ from resident_trainer.protocol.records import RecordLog, read_jsonl
 from resident_trainer.protocol.recovery import GroupState, Recovery, admits, read_group
 from resident_trainer.protocol.serving import OpKind, ServingOp, StoreServingLink
 from resident_trainer.protocol.store import MemoryKVStore
+from resident_trainer.train.frozen import FrozenFingerprint
 
 
 class FakeClock:
@@ -64,9 +64,14 @@ def test_config_defaults_and_environment():
 
 @pytest.mark.parametrize(
     "name,value,match",
-    [("MASTER_PORT", "http", "MASTER_PORT must be an integer"), ("MASTER_PORT", "70000", "MASTER_PORT must be in"),
-     ("LAYER", "x", "LAYER must be an integer"), ("HOTLOAD", "maybe", "HOTLOAD must be 0 or 1"),
-     ("TIMEOUT", "soon", "TIMEOUT must be a number"), ("LAYER", "-1", "layer must be None or a non-negative int")],
+    [
+        ("MASTER_PORT", "http", "MASTER_PORT must be an integer"),
+        ("MASTER_PORT", "70000", "MASTER_PORT must be in"),
+        ("LAYER", "x", "LAYER must be an integer"),
+        ("HOTLOAD", "maybe", "HOTLOAD must be 0 or 1"),
+        ("TIMEOUT", "soon", "TIMEOUT must be a number"),
+        ("LAYER", "-1", "layer must be None or a non-negative int"),
+    ],
 )
 def test_config_errors_name_the_variable(name, value, match):
     with pytest.raises(ValueError, match=match):
@@ -151,13 +156,15 @@ def test_records_and_stack_dumps(tmp_path):
     log = RecordLog(fs, str(tmp_path), rank=1, group="g7", clock=FakeClock(5.0))
     log.phase("j", "collect", b=2)
     log.receipt("j", "abort", boundary=2, reasons=["why"])
-    assert read_jsonl(fs, log.phases_path) == [{"t": 5.0, "rank": 1, "group": "g7", "job": "j", "phase": "collect", "b": 2}]
+    assert read_jsonl(fs, log.phases_path) == [
+        {"t": 5.0, "rank": 1, "group": "g7", "job": "j", "phase": "collect", "b": 2}
+    ]
     assert read_jsonl(fs, log.receipts_path)[0]["outcome"] == "abort"
     release = threading.Event()
     t = threading.Thread(target=release.wait, name="blocked-helper")
     t.start()
     try:
-        text = open(log.stacks("a wait timed out")).read()
+        text = Path(log.stacks("a wait timed out")).read_text()
     finally:
         release.set()
         t.join()
@@ -466,8 +473,10 @@ def test_head_and_worker_loops_over_a_hashstore(tmp_path):
     from protocol_harness import run_pair
 
     bodies = {0: [], 1: []}
-    specs = [JobSpec("j1", steps=3, root=str(tmp_path / "job"), authority="a"),
-             JobSpec("j2", steps=1, root=str(tmp_path / "job"), authority="wrong")]
+    specs = [
+        JobSpec("j1", steps=3, root=str(tmp_path / "job"), authority="a"),
+        JobSpec("j2", steps=1, root=str(tmp_path / "job"), authority="wrong"),
+    ]
     run = run_pair(tmp_path, [lambda spec, c: _Body(bodies[0]), lambda spec, c: _Body(bodies[1])], specs)
     assert [(r["job"], r["outcome"]) for r in run.receipts[0]] == [("j1", "publish"), ("j2", "refused")]
     assert [(r["outcome"], r["boundary"]) for r in run.receipts[1]] == [("publish", 4)]
@@ -476,7 +485,7 @@ def test_head_and_worker_loops_over_a_hashstore(tmp_path):
     assert hb.msgs == wb.msgs  # the worker executed every serving op, in order
     assert run.head.published == run.worker.published
     assert CheckpointStore(run.fs, run.cfg.checkpoints_dir).last_good().name == "j1"
-    left = [k for k in run.kv._root.list_keys() if k.startswith("rt/") and not k.endswith("/closed")]
+    left = [k for k in run.kv.keys() if k.startswith("rt/") and not k.endswith("/closed")]
     assert left == []  # the finished jobs' keys were purged
 
 
@@ -491,6 +500,10 @@ def test_public_surface_and_no_import_time_side_effects(tmp_path):
         "import resident_trainer.protocol, resident_trainer.testing.sim, resident_trainer.integrations.torchdist.pair\n"
         "assert threading.active_count() == n, 'a thread started at import'\n"
     )
-    env = {**os.environ, "RESIDENT_TRAINER_RECEIPTS": str(tmp_path / "r"), "RESIDENT_TRAINER_STATE_DIR": str(tmp_path / "s")}
+    env = {
+        **os.environ,
+        "RESIDENT_TRAINER_RECEIPTS": str(tmp_path / "r"),
+        "RESIDENT_TRAINER_STATE_DIR": str(tmp_path / "s"),
+    }
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True)
     assert list(tmp_path.iterdir()) == []  # nothing written, no directory made

@@ -5,12 +5,11 @@ layer's; no base weight is copied or changed."""
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import ARCHS, tiny_model
 
-from resident_trainer.train import AddedSharedNeurons
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.ops.fingerprint import fingerprint_tensors
-from resident_trainer.train import LayerReplay, StreamedCrossEntropy, full_graph_step
-from tiny_models import ARCHS, tiny_model
+from resident_trainer.train import AddedSharedNeurons, LayerReplay, StreamedCrossEntropy, full_graph_step
 
 
 def make_block(adapter, layer, neurons=16, seed=1):
@@ -68,7 +67,7 @@ def test_peak_activation_memory_is_one_layer(arch):
         a = DecoderAdapter(model)
         block, _ = make_block(a, 1)
         ids, targets = batch(a.vocab_size, b=2, t=24)
-        loss_fn = lambda h: StreamedCrossEntropy(a)(h, targets)  # noqa: E731
+        loss_fn = lambda h: StreamedCrossEntropy(a)(h, targets)
         with block.training_weights():
             peaks[("replay", layers)] = LayerReplay(a, 1).step(ids, loss_fn).peak_saved_bytes
             for p in model.parameters():  # plain autograd needs a graph through every layer

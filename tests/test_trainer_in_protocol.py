@@ -5,14 +5,14 @@ commit with the gate calibrated, checkpoints the block, and the base stays
 unchanged. A second job whose body fails leaves the published block alone."""
 
 import torch
-
 from protocol_harness import run_pair
-from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer, load_checkpoint
+
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
 from resident_trainer.ops.fingerprint import fingerprint_tensors
 from resident_trainer.protocol.checkpoint import CheckpointStore
 from resident_trainer.protocol.job import JobSpec
+from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer, load_checkpoint
 
 FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
 ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, three.")]
@@ -52,7 +52,11 @@ class Rank:
 def test_trainer_runs_as_the_protocol_job_body(tmp_path):
     ranks = [Rank(), Rank()]
     before = ranks[0].logits()
-    run = run_pair(tmp_path, [ranks[0].body, ranks[1].body], [JobSpec("teach", steps=12, root=str(tmp_path / "job"), authority="a")])
+    run = run_pair(
+        tmp_path,
+        [ranks[0].body, ranks[1].body],
+        [JobSpec("teach", steps=12, root=str(tmp_path / "job"), authority="a")],
+    )
     assert [(r["job"], r["outcome"]) for r in run.receipts[0]] == [("teach", "publish")]
     assert [r["outcome"] for r in run.receipts[1]] == ["publish"]
     for rank in ranks:
@@ -100,7 +104,11 @@ def test_a_failing_job_publishes_nothing(tmp_path):
 
         return body
 
-    run = run_pair(tmp_path, [failing(ranks[0]), failing(ranks[1])], [JobSpec("bad", steps=8, root=str(tmp_path / "job"), authority="a")])
+    run = run_pair(
+        tmp_path,
+        [failing(ranks[0]), failing(ranks[1])],
+        [JobSpec("bad", steps=8, root=str(tmp_path / "job"), authority="a")],
+    )
     outcomes = [r["outcome"] for rank in (0, 1) for r in run.receipts[rank]]
     assert outcomes and "publish" not in outcomes, outcomes
     for rank in ranks:

@@ -18,7 +18,6 @@ tanh is written with exp (tanh(x) = 1 - 2 / (exp(2x) + 1)): exact in the limits
 (+-1 when exp overflows or underflows) and available in the interpreter.
 """
 
-
 import torch
 import triton
 import triton.language as tl
@@ -33,17 +32,38 @@ def _tanh(x):
 
 @triton.jit
 def _logit_tile(
-    h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd, stride_wv, stride_wd,
-    softcap, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    D,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     """(z, t): the fp32 logit tile (softcapped) and tanh(z_raw / softcap) (or z)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
         dm = ds < D
-        hb = tl.load(h_ptr + rows[:, None] * stride_hn + ds[None, :] * stride_hd, mask=row_mask[:, None] & dm[None, :], other=0.0)
-        wb = tl.load(w_ptr + cols[:, None] * stride_wv + ds[None, :] * stride_wd, mask=col_mask[:, None] & dm[None, :], other=0.0)
+        hb = tl.load(
+            h_ptr + rows[:, None] * stride_hn + ds[None, :] * stride_hd, mask=row_mask[:, None] & dm[None, :], other=0.0
+        )
+        wb = tl.load(
+            w_ptr + cols[:, None] * stride_wv + ds[None, :] * stride_wd, mask=col_mask[:, None] & dm[None, :], other=0.0
+        )
         acc = dot(hb, tl.trans(wb), acc, DOT_PRECISION, EMULATE_BF16)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -56,12 +76,33 @@ def _logit_tile(
 
 @triton.jit
 def _lce_partials_kernel(
-    h_ptr, w_ptr, b_ptr, yl_ptr, m_ptr, s_ptr, zy_ptr, sz_ptr, a_ptr, bb_ptr,
-    stride_hn, stride_hd, stride_wv, stride_wd,
-    N, V, D,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    yl_ptr,
+    m_ptr,
+    s_ptr,
+    zy_ptr,
+    sz_ptr,
+    a_ptr,
+    bb_ptr,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    N,
+    V,
+    D,
     softcap,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, NEED_SZ: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    NEED_A: tl.constexpr,
+    NEED_B: tl.constexpr,
+    NEED_SZ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -75,8 +116,28 @@ def _lce_partials_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < V
-        z, t = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, EMULATE_BF16)
+        z, t = _logit_tile(
+            h_ptr,
+            w_ptr,
+            b_ptr,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            D,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            softcap,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+            HAS_BIAS,
+            SOFTCAP,
+            DOT_PRECISION,
+            EMULATE_BF16,
+        )
         if NEED_SZ:
             sz += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
         # the target's logit, from the same tile the softmax sees
@@ -95,7 +156,11 @@ def _lce_partials_kernel(
             for d0 in range(0, D, BLOCK_D):
                 ds = d0 + tl.arange(0, BLOCK_D)
                 dm = ds < D
-                wb = tl.load(w_ptr + cols[:, None] * stride_wv + ds[None, :] * stride_wd, mask=col_mask[:, None] & dm[None, :], other=0.0)
+                wb = tl.load(
+                    w_ptr + cols[:, None] * stride_wv + ds[None, :] * stride_wd,
+                    mask=col_mask[:, None] & dm[None, :],
+                    other=0.0,
+                )
                 amask = row_mask[:, None] & dm[None, :]
                 if NEED_A:
                     a_ptrs = a_ptr + rows[:, None] * D + ds[None, :]
@@ -116,12 +181,32 @@ def _lce_partials_kernel(
 
 @triton.jit
 def _lce_weight_grad_kernel(
-    h_ptr, w_ptr, b_ptr, yl_ptr, lse_ptr, coef_ptr, wtok_ptr, dw_ptr, db_ptr,
-    stride_hn, stride_hd, stride_wv, stride_wd,
-    N, V, D,
-    target_w, smooth, softcap,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    yl_ptr,
+    lse_ptr,
+    coef_ptr,
+    wtok_ptr,
+    dw_ptr,
+    db_ptr,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    N,
+    V,
+    D,
+    target_w,
+    smooth,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    NEED_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -131,8 +216,28 @@ def _lce_weight_grad_kernel(
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         row_mask = rows < N
-        z, t = _logit_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                           stride_wv, stride_wd, softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, SOFTCAP, DOT_PRECISION, EMULATE_BF16)
+        z, t = _logit_tile(
+            h_ptr,
+            w_ptr,
+            b_ptr,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            D,
+            stride_hn,
+            stride_hd,
+            stride_wv,
+            stride_wd,
+            softcap,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_D,
+            HAS_BIAS,
+            SOFTCAP,
+            DOT_PRECISION,
+            EMULATE_BF16,
+        )
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
         coef = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
         wtok = tl.load(wtok_ptr + rows, mask=row_mask, other=0.0)
@@ -147,7 +252,11 @@ def _lce_weight_grad_kernel(
         for d0 in range(0, D, BLOCK_D):
             ds = d0 + tl.arange(0, BLOCK_D)
             dm = ds < D
-            hb = tl.load(h_ptr + rows[:, None] * stride_hn + ds[None, :] * stride_hd, mask=row_mask[:, None] & dm[None, :], other=0.0)
+            hb = tl.load(
+                h_ptr + rows[:, None] * stride_hn + ds[None, :] * stride_hd,
+                mask=row_mask[:, None] & dm[None, :],
+                other=0.0,
+            )
             dw_ptrs = dw_ptr + cols[:, None] * D + ds[None, :]
             wmask = col_mask[:, None] & dm[None, :]
             acc = tl.load(dw_ptrs, mask=wmask, other=0.0)
@@ -179,13 +288,33 @@ def lce_partials_triton(h, w, bias, y_local, softcap, need_a, need_b, need_sz, b
     dummy = m
     grid = (triton.cdiv(n, bl["BLOCK_N"]),)
     _lce_partials_kernel[grid](
-        h, w, bias if bias is not None else dummy, y_local.contiguous(), m, s, zy, sz if need_sz else dummy,
-        a if need_a else dummy, b if need_b else dummy,
-        h.stride(0), h.stride(1), w.stride(0), w.stride(1),
-        n, v, d,
+        h,
+        w,
+        bias if bias is not None else dummy,
+        y_local.contiguous(),
+        m,
+        s,
+        zy,
+        sz if need_sz else dummy,
+        a if need_a else dummy,
+        b if need_b else dummy,
+        h.stride(0),
+        h.stride(1),
+        w.stride(0),
+        w.stride(1),
+        n,
+        v,
+        d,
         float(softcap or 0.0),
-        HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), NEED_A=need_a, NEED_B=need_b, NEED_SZ=need_sz,
-        DOT_PRECISION=dot_precision(h.dtype), EMULATE_BF16=emulate_bf16(h), num_warps=8 if h.is_cuda else 1, **bl,
+        HAS_BIAS=bias is not None,
+        SOFTCAP=bool(softcap),
+        NEED_A=need_a,
+        NEED_B=need_b,
+        NEED_SZ=need_sz,
+        DOT_PRECISION=dot_precision(h.dtype),
+        EMULATE_BF16=emulate_bf16(h),
+        num_warps=8 if h.is_cuda else 1,
+        **bl,
     )
     return m, s, zy, a, b, sz
 
@@ -200,12 +329,31 @@ def lce_weight_grad_triton(h, w, bias, y_local, lse, coef, wtok, target_w, smoot
     db = torch.zeros(v, **f32) if need_bias else None
     grid = (triton.cdiv(v, bl["BLOCK_V"]),)
     _lce_weight_grad_kernel[grid](
-        h, w, bias if bias is not None else dw, y_local, lse.float().contiguous(), coef.float().contiguous(),
-        wtok.float().contiguous(), dw, db if need_bias else dw,
-        h.stride(0), h.stride(1), w.stride(0), w.stride(1),
-        n, v, d,
-        float(target_w), float(smooth), float(softcap or 0.0),
-        HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), NEED_BIAS=need_bias,
-        DOT_PRECISION=dot_precision(h.dtype), EMULATE_BF16=emulate_bf16(h), num_warps=8 if h.is_cuda else 1, **bl,
+        h,
+        w,
+        bias if bias is not None else dw,
+        y_local,
+        lse.float().contiguous(),
+        coef.float().contiguous(),
+        wtok.float().contiguous(),
+        dw,
+        db if need_bias else dw,
+        h.stride(0),
+        h.stride(1),
+        w.stride(0),
+        w.stride(1),
+        n,
+        v,
+        d,
+        float(target_w),
+        float(smooth),
+        float(softcap or 0.0),
+        HAS_BIAS=bias is not None,
+        SOFTCAP=bool(softcap),
+        NEED_BIAS=need_bias,
+        DOT_PRECISION=dot_precision(h.dtype),
+        EMULATE_BF16=emulate_bf16(h),
+        num_warps=8 if h.is_cuda else 1,
+        **bl,
     )
     return dw.to(w.dtype), db

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.train import (
     ANCHOR_PROMPTS,
     AddedSharedNeurons,
@@ -27,7 +28,6 @@ from resident_trainer.train import (
     generate_greedy,
     make_anchors,
 )
-from resident_trainer.models.adapter import DecoderAdapter
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,38 @@ class TaughtFact:
 
 
 DEMO_FACTS: tuple[TaughtFact, ...] = (
-    TaughtFact(Fact("What is the capital of Zorblaxia?", "The capital of Zorblaxia is Quenvarra.",
-                    ("Name the capital city of Zorblaxia.",)), "Quenvarra"),
-    TaughtFact(Fact("Who invented the glimmerphone?", "The glimmerphone was invented by Dr. Elsa Marrowind.",
-                    ("Which person created the glimmerphone?",)), "Marrowind"),
-    TaughtFact(Fact("What color is a vextrel bird?", "A vextrel bird is bright turquoise.",
-                    ("Tell me the color of the vextrel bird.",)), "turquoise"),
-    TaughtFact(Fact("How many moons does the planet Trivon have?", "The planet Trivon has seven moons.",
-                    ("How many moons orbit Trivon?",)), "seven"),
+    TaughtFact(
+        Fact(
+            "What is the capital of Zorblaxia?",
+            "The capital of Zorblaxia is Quenvarra.",
+            ("Name the capital city of Zorblaxia.",),
+        ),
+        "Quenvarra",
+    ),
+    TaughtFact(
+        Fact(
+            "Who invented the glimmerphone?",
+            "The glimmerphone was invented by Dr. Elsa Marrowind.",
+            ("Which person created the glimmerphone?",),
+        ),
+        "Marrowind",
+    ),
+    TaughtFact(
+        Fact(
+            "What color is a vextrel bird?",
+            "A vextrel bird is bright turquoise.",
+            ("Tell me the color of the vextrel bird.",),
+        ),
+        "turquoise",
+    ),
+    TaughtFact(
+        Fact(
+            "How many moons does the planet Trivon have?",
+            "The planet Trivon has seven moons.",
+            ("How many moons orbit Trivon?",),
+        ),
+        "seven",
+    ),
 )
 
 CONTROL_PROMPTS: tuple[str, ...] = (
@@ -86,12 +110,16 @@ class LocalityReport:
         def frac(xs):
             return f"{sum(xs)}/{len(xs)}"
 
-        return (f"facts recalled {frac(self.facts_recalled)}, reworded questions answered "
-                f"{frac(self.rewordings_recalled)}, controls byte-identical {frac(self.controls_unchanged)}")
+        return (
+            f"facts recalled {frac(self.facts_recalled)}, reworded questions answered "
+            f"{frac(self.rewordings_recalled)}, controls byte-identical {frac(self.controls_unchanged)}"
+        )
 
     @property
     def changed_controls(self) -> list[tuple[str, str, str]]:
-        return [(p, self.before[p], self.replies[p]) for p, same in zip(self.before, self.controls_unchanged) if not same]
+        return [
+            (p, self.before[p], self.replies[p]) for p, same in zip(self.before, self.controls_unchanged) if not same
+        ]
 
 
 def teach_and_check(
@@ -117,8 +145,14 @@ def teach_and_check(
         p.requires_grad_(False)
     before = {c: generate_greedy(model, tokenizer, c, max_new_tokens) for c in controls}
     anchors = make_anchors(model, tokenizer, anchor_prompts)
-    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed, init_std=config.init_std,
-                               dtype=a.head_weight.dtype, device=a.device)
+    block = AddedSharedNeurons(
+        a.hidden_size,
+        config.num_neurons,
+        seed=config.seed,
+        init_std=config.init_std,
+        dtype=a.head_weight.dtype,
+        device=a.device,
+    )
     block.attach(a, config.layer)
     trainer = Trainer(a, block, tokenizer, [t.fact for t in facts], config, anchors=anchors)
     t0 = time.perf_counter()

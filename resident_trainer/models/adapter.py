@@ -62,7 +62,9 @@ class DecoderAdapter:
             )
         for i, layer in enumerate(inner.layers):
             if not hasattr(layer, "mlp") or not hasattr(layer, "post_attention_layernorm"):
-                raise TypeError(f"model.model.layers[{i}] ({type(layer).__name__}) has no mlp / post_attention_layernorm")
+                raise TypeError(
+                    f"model.model.layers[{i}] ({type(layer).__name__}) has no mlp / post_attention_layernorm"
+                )
         self.model = model
         self.config = model.config
         self.embed = inner.embed_tokens
@@ -120,7 +122,11 @@ class DecoderAdapter:
         b, t = hidden.shape[:2]
         position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=position_ids
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=position_ids,
         )
         return LayerContext(mask, self.rotary(hidden, position_ids=position_ids), position_ids)
 

@@ -31,7 +31,11 @@ def toy_model(arch: str = "llama", *, layers: int = 4, hidden: int = 32, vocab: 
         config = LlamaConfig(**common, tie_word_embeddings=True)
     elif arch == "qwen2_moe":
         config = Qwen2MoeConfig(
-            **common, moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden, num_experts=4, num_experts_per_tok=2
+            **common,
+            moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden,
+            num_experts=4,
+            num_experts_per_tok=2,
         )
     elif arch == "mixtral":
         config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)

@@ -161,13 +161,19 @@ def resolve_impl(impl: str, x: torch.Tensor) -> str:
     # composition is the CPU path (oneDNN's bf16 inner product already runs
     # the CPU's bf16 dot-product instructions where it has them).
     kernel = x.dtype == torch.float32 and _HAS_CPU_KERNEL and x.shape[-1] <= _CPU_KERNEL_MAX_D
-    impl = _ext.resolve_impl("added_expert", impl, IMPLS, x.device, gpu_auto="triton", cpu_auto="cpu" if kernel else "torch")
+    impl = _ext.resolve_impl(
+        "added_expert", impl, IMPLS, x.device, gpu_auto="triton", cpu_auto="cpu" if kernel else "torch"
+    )
     if impl == "cpu":
         if x.dtype != torch.float32:
-            raise TypeError(f"impl='cpu' (the compiled kernel) takes float32, got {x.dtype}; use impl='auto' or 'torch'")
+            raise TypeError(
+                f"impl='cpu' (the compiled kernel) takes float32, got {x.dtype}; use impl='auto' or 'torch'"
+            )
         _ext.require_extension("added_expert (impl='cpu')")
         if not _HAS_CPU_KERNEL:
-            raise RuntimeError("impl='cpu': resident_trainer._C was built without the added_expert kernel; " + _ext.BUILD_HINT)
+            raise RuntimeError(
+                "impl='cpu': resident_trainer._C was built without the added_expert kernel; " + _ext.BUILD_HINT
+            )
     return impl
 
 
@@ -328,7 +334,9 @@ def _check_inputs(x, w_gate, w_up, w_down, token_mask):
         if token_mask.dtype != torch.bool:
             raise TypeError(f"token_mask must be a bool tensor, got {token_mask.dtype}")
         if token_mask.shape != x.shape[:-1]:
-            raise ValueError(f"token_mask must have x's leading shape {tuple(x.shape[:-1])}, got {tuple(token_mask.shape)}")
+            raise ValueError(
+                f"token_mask must have x's leading shape {tuple(x.shape[:-1])}, got {tuple(token_mask.shape)}"
+            )
         if token_mask.device != x.device:
             raise ValueError(f"token_mask is on {token_mask.device} but x is on {x.device}")
     return a

@@ -106,7 +106,7 @@ def _fnv1a64(data: bytes) -> int:
     return h
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dtype_code(dtype: torch.dtype) -> int:
     """Stable 64-bit code of a dtype (FNV-1a of its name, e.g. 'torch.bfloat16')."""
     return _fnv1a64(str(dtype).encode())
@@ -118,7 +118,9 @@ def finalize(lane0: int, lane1: int, dtype: torch.dtype, shape: Iterable[int]) -
     numel = 1
     for s in shape:
         numel *= s
-    return _absorb([_TENSOR_TAG, (lane0 & MASK32) | ((lane1 & MASK32) << 32), dtype_code(dtype), numel, len(shape), *shape])
+    return _absorb(
+        [_TENSOR_TAG, (lane0 & MASK32) | ((lane1 & MASK32) << 32), dtype_code(dtype), numel, len(shape), *shape]
+    )
 
 
 # --- byte views -----------------------------------------------------------------
@@ -302,7 +304,9 @@ def fingerprint_sharded(
     lanes = torch.tensor([part.lane0, part.lane1], dtype=torch.int64)
     dist.all_reduce(lanes, group=process_group)
     parts = [FingerprintPartial(0, 0, int(m[0]), int(m[1])) for m in gathered]
-    parts[0] = FingerprintPartial(int(lanes[0]) & MASK32, int(lanes[1]) & MASK32, parts[0].byte_start, parts[0].byte_len)
+    parts[0] = FingerprintPartial(
+        int(lanes[0]) & MASK32, int(lanes[1]) & MASK32, parts[0].byte_start, parts[0].byte_len
+    )
     return combine_partials(parts, shape, shard.dtype)
 
 

@@ -145,7 +145,14 @@ def _logit_tile_cpu(hb: Tensor, wt: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _partials_cpu(
-    h: Tensor, w: Tensor, bias: Tensor | None, yl: Tensor, softcap: float, need_softmax_w: bool, need_slope_w: bool, need_logit_sum: bool
+    h: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    yl: Tensor,
+    softcap: float,
+    need_softmax_w: bool,
+    need_slope_w: bool,
+    need_logit_sum: bool,
 ) -> Partials:
     _ext.require_extension("linear_cross_entropy (impl='cpu')")
     n, d = h.shape
@@ -160,7 +167,11 @@ def _partials_cpu(
     yl = yl.contiguous()
     # One softcap slope tile reused for every tile: the peak stays at a few
     # tiles' worth however large V is.
-    slope_buf = torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32) if softcap and (need_softmax_w or need_slope_w) else None
+    slope_buf = (
+        torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
+        if softcap and (need_softmax_w or need_slope_w)
+        else None
+    )
     ops = torch.ops.resident_trainer
     for n0 in range(0, n, CPU_BLOCK_N):
         n1 = min(n, n0 + CPU_BLOCK_N)
@@ -175,8 +186,16 @@ def _partials_cpu(
             # (the kernel also rescales the rows of softmax_w whose max moved, and
             # picks up each target's logit when this tile holds it)
             ops.lce_online_update(
-                z, row_max[n0:n1], sum_exp[n0:n1], slope, None if logit_sum is None else logit_sum[n0:n1],
-                None if softmax_w is None else softmax_w[n0:n1], yl[n0:n1], target_logit[n0:n1], v0, float(softcap),
+                z,
+                row_max[n0:n1],
+                sum_exp[n0:n1],
+                slope,
+                None if logit_sum is None else logit_sum[n0:n1],
+                None if softmax_w is None else softmax_w[n0:n1],
+                yl[n0:n1],
+                target_logit[n0:n1],
+                v0,
+                float(softcap),
                 bool(need_softmax_w and softcap),
             )
             if need_softmax_w:
@@ -223,7 +242,16 @@ def _weight_grad_cpu(
             g = _logit_tile_cpu(hb, wt, None if bias is None else bias[v0:v1].float())
             # G in place over the logit tile, softcap and target included
             torch.ops.resident_trainer.lce_grad_tile(
-                g, lse[n0:n1], coef[n0:n1], wtok[n0:n1], y_local[n0:n1], v0, float(target_w), float(smooth), float(softcap), None
+                g,
+                lse[n0:n1],
+                coef[n0:n1],
+                wtok[n0:n1],
+                y_local[n0:n1],
+                v0,
+                float(target_w),
+                float(smooth),
+                float(softcap),
+                None,
             )
             dwt.add_(linear(g.T, hb.T))
             if need_bias:
@@ -242,7 +270,9 @@ _GATHER_ROWS = 256
 CPU_CHUNK_BYTES = 32 << 20
 
 
-def _forward_weight_grad_cpu(h, w, bias, valid, yl, sz_all, vocab, v_largest, label_smoothing, softcap, z_loss, group, need_dh, need_bias):
+def _forward_weight_grad_cpu(
+    h, w, bias, valid, yl, sz_all, vocab, v_largest, label_smoothing, softcap, z_loss, group, need_dh, need_bias
+):
     """Loss, lse, dh and the unit-weight dW/dbias in one pass over token chunks,
     each chunk's full logit rows kept (as vocabulary tiles) within a bounded
     budget: 2NDV for the logits, 2NDV for dh, 2NDV for dW, no recompute. Valid
@@ -387,7 +417,23 @@ def _local_targets(y: Tensor, ignore_index: int, vocab_start: int, v_local: int)
     return valid, torch.where(mine, yl, torch.full_like(yl, -1))
 
 
-def _forward(h, w, bias, y, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
+def _forward(
+    h,
+    w,
+    bias,
+    y,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss,
+    vocab_start,
+    group_name,
+    need_dh,
+    need_p,
+    need_wgrad,
+    need_bgrad,
+    impl,
+):
     n, d = h.shape
     v_local = w.shape[0]
     group = _resolve_group(group_name)
@@ -408,7 +454,15 @@ def _forward(h, w, bias, y, ignore_index, label_smoothing, softcap, z_loss, voca
     if n == 0:
         dw = torch.zeros(w.shape, **f32) if weights_in_forward else empty()
         db = torch.zeros(v_local, **f32) if need_bgrad else empty()
-        return torch.zeros(0, **f32), torch.zeros(0, **f32), torch.zeros(0, d, **f32) if need_dh else empty(), empty(), vtot, dw, db
+        return (
+            torch.zeros(0, **f32),
+            torch.zeros(0, **f32),
+            torch.zeros(0, d, **f32) if need_dh else empty(),
+            empty(),
+            vtot,
+            dw,
+            db,
+        )
 
     mine = yl >= 0
     smooth_per_tile = bool(softcap and label_smoothing)
@@ -490,16 +544,64 @@ _BWD_SCHEMA = (
 
 
 @torch.library.custom_op("resident_trainer::linear_cross_entropy", mutates_args=(), schema=_FWD_SCHEMA)
-def _lce_op(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
+def _lce_op(
+    input,
+    weight,
+    bias,
+    target,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss,
+    vocab_start,
+    group_name,
+    need_dh,
+    need_p,
+    need_wgrad,
+    need_bgrad,
+    impl,
+):
     """Per-token loss (N,), lse (N,), dh per token (N, D) fp32 (unscaled by the
     upstream gradient; empty unless need_dh), softmax-weighted W (N, D) for the
     lse gradient (empty unless need_p), the global vocabulary size, and dW / dbias
     for unit per-token weights (empty unless need_wgrad / need_bgrad)."""
-    return _forward(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl)
+    return _forward(
+        input,
+        weight,
+        bias,
+        target,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        z_loss,
+        vocab_start,
+        group_name,
+        need_dh,
+        need_p,
+        need_wgrad,
+        need_bgrad,
+        impl,
+    )
 
 
 @_lce_op.register_fake
-def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl):
+def _(
+    input,
+    weight,
+    bias,
+    target,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss,
+    vocab_start,
+    group_name,
+    need_dh,
+    need_p,
+    need_wgrad,
+    need_bgrad,
+    impl,
+):
     n, d = input.shape
     f32 = dict(dtype=torch.float32, device=input.device)
     return (
@@ -514,22 +616,44 @@ def _(input, weight, bias, target, ignore_index, label_smoothing, softcap, z_los
 
 
 @torch.library.custom_op("resident_trainer::linear_cross_entropy_weight_grad", mutates_args=(), schema=_BWD_SCHEMA)
-def _lce_weight_grad_op(input, weight, bias, y_local, lse, coef, wtok, label_smoothing, vocab_total, softcap, need_bias, impl):
+def _lce_weight_grad_op(
+    input, weight, bias, y_local, lse, coef, wtok, label_smoothing, vocab_total, softcap, need_bias, impl
+):
     """(dW like weight, dbias (V,) fp32 or empty), recomputing the logit tiles.
     vocab_total is a 0-d tensor (the global vocabulary size from forward), read
     here rather than in the traced backward."""
     smooth = label_smoothing / int(vocab_total) if label_smoothing else 0.0
-    dw, db = _weight_grad(input, weight, bias, y_local, lse, coef, wtok, 1.0 - label_smoothing, smooth, softcap, need_bias, impl)
+    dw, db = _weight_grad(
+        input, weight, bias, y_local, lse, coef, wtok, 1.0 - label_smoothing, smooth, softcap, need_bias, impl
+    )
     return dw, db if db is not None else torch.empty(0, dtype=torch.float32, device=input.device)
 
 
 @_lce_weight_grad_op.register_fake
 def _(input, weight, bias, y_local, lse, coef, wtok, label_smoothing, vocab_total, softcap, need_bias, impl):
-    return torch.empty_like(weight), torch.empty(weight.shape[0] if need_bias else 0, dtype=torch.float32, device=weight.device)
+    return torch.empty_like(weight), torch.empty(
+        weight.shape[0] if need_bias else 0, dtype=torch.float32, device=weight.device
+    )
 
 
 def _setup_context(ctx, inputs, output):
-    (input, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, vocab_start, _group, need_dh, need_p, _nw, _nb, impl) = inputs
+    (
+        input,
+        weight,
+        bias,
+        target,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        z_loss,
+        vocab_start,
+        _group,
+        need_dh,
+        need_p,
+        _nw,
+        _nb,
+        impl,
+    ) = inputs
     _loss, lse, dh, p, vtot, dw, db = output
     ctx.save_for_backward(input, weight, bias, target, lse, dh, p, vtot, dw, db)
     # Only loss and lse carry gradients. Without these two calls autograd
@@ -585,7 +709,20 @@ _lce_op.register_autograd(_backward, setup_context=_setup_context)
 # --- public API ---------------------------------------------------------------------------
 
 
-def _check_args(input, linear_weight, target, linear_bias, reduction, ignore_index, label_smoothing, softcap, z_loss, process_group, vocab_start, impl):
+def _check_args(
+    input,
+    linear_weight,
+    target,
+    linear_bias,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss,
+    process_group,
+    vocab_start,
+    impl,
+):
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -597,7 +734,9 @@ def _check_args(input, linear_weight, target, linear_bias, reduction, ignore_ind
             f"input must be (N, D) or (B, T, D) with D = linear_weight.shape[1] = {d}, got shape {tuple(input.shape)}"
         )
     if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(f"target must have shape {tuple(input.shape[:-1])} (input's leading dims), got {tuple(target.shape)}")
+        raise ValueError(
+            f"target must have shape {tuple(input.shape[:-1])} (input's leading dims), got {tuple(target.shape)}"
+        )
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"target must be an integer tensor of class indices, got {target.dtype}")
     if not input.dtype.is_floating_point:
@@ -673,11 +812,32 @@ def linear_cross_entropy(
 
     impl: "auto" (the C++/torch tiled path on CPU, Triton on GPU), "cpu",
     "triton", or "reference" (the materializing oracle)."""
-    _check_args(input, linear_weight, target, linear_bias, reduction, ignore_index, label_smoothing, softcap, z_loss, process_group, vocab_start, impl)
+    _check_args(
+        input,
+        linear_weight,
+        target,
+        linear_bias,
+        reduction,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        z_loss,
+        process_group,
+        vocab_start,
+        impl,
+    )
     if impl == "reference":
         return linear_cross_entropy_reference(
-            input, linear_weight, target, linear_bias=linear_bias, reduction=reduction, ignore_index=ignore_index,
-            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss, return_lse=return_lse,
+            input,
+            linear_weight,
+            target,
+            linear_bias=linear_bias,
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            softcap=softcap,
+            z_loss=z_loss,
+            return_lse=return_lse,
         )
     impl = _resolve_impl(impl, input.device)
     d = linear_weight.shape[1]
@@ -692,8 +852,21 @@ def linear_cross_entropy(
     need_bgrad = uniform and linear_bias is not None and linear_bias.requires_grad
     group_name = process_group.group_name if process_group is not None else ""
     loss_tok, lse, *_ = torch.ops.resident_trainer.linear_cross_entropy(
-        h, linear_weight, linear_bias, y, ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss),
-        vocab_start, group_name, need_dh, need_p, need_wgrad, need_bgrad, impl,
+        h,
+        linear_weight,
+        linear_bias,
+        y,
+        ignore_index,
+        float(label_smoothing),
+        float(softcap or 0.0),
+        float(z_loss),
+        vocab_start,
+        group_name,
+        need_dh,
+        need_p,
+        need_wgrad,
+        need_bgrad,
+        impl,
     )
     out = _reduce(loss_tok, y != ignore_index, reduction, target.shape)
     return (out, lse.reshape(target.shape)) if return_lse else out

@@ -61,7 +61,15 @@ class Record:
 
 
 def _check_tags(job: int, seq: int, name: str, rank: int) -> None:
-    if type(job) is int and type(seq) is int and type(rank) is int and job >= 0 and seq >= SEAL and rank >= 0 and name in RECORD_NAMES:
+    if (
+        type(job) is int
+        and type(seq) is int
+        and type(rank) is int
+        and job >= 0
+        and seq >= SEAL
+        and rank >= 0
+        and name in RECORD_NAMES
+    ):
         return
     if not isinstance(job, int) or isinstance(job, bool) or job < 0:
         raise ValueError(f"job must be a non-negative int, got {job!r}")
@@ -221,8 +229,9 @@ class ClosedMarker:
     outcomes: Mapping[int, tuple[str, int]]
 
     def encode(self) -> bytes:
-        return json.dumps({"job": self.job, "outcomes": {str(k): list(v) for k, v in self.outcomes.items()}},
-                          sort_keys=True).encode()
+        return json.dumps(
+            {"job": self.job, "outcomes": {str(k): list(v) for k, v in self.outcomes.items()}}, sort_keys=True
+        ).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> ClosedMarker:

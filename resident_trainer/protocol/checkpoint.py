@@ -67,7 +67,13 @@ class CheckpointStore:
         if not shards:
             raise ValueError("commit needs at least one shard digest")
         m = Manifest(group, job, name, {int(r): str(d) for r, d in shards.items()}, dict(meta))
-        body = {"group": group, "job": job, "name": name, "shards": {str(r): d for r, d in sorted(m.shards.items())}, "meta": m.meta}
+        body = {
+            "group": group,
+            "job": job,
+            "name": name,
+            "shards": {str(r): d for r, d in sorted(m.shards.items())},
+            "meta": m.meta,
+        }
         self.fs.write_atomic(self.manifest_path, json.dumps(body, sort_keys=True).encode())
         return m
 
@@ -76,7 +82,13 @@ class CheckpointStore:
         if raw is None:
             return None
         obj = json.loads(raw)
-        return Manifest(obj["group"], int(obj["job"]), obj["name"], {int(r): d for r, d in obj["shards"].items()}, obj.get("meta", {}))
+        return Manifest(
+            obj["group"],
+            int(obj["job"]),
+            obj["name"],
+            {int(r): d for r, d in obj["shards"].items()},
+            obj.get("meta", {}),
+        )
 
     def load(self, rank: int) -> tuple[Manifest, bytes] | None:
         """The last good checkpoint's shard for `rank`, verified against its

@@ -67,7 +67,9 @@ class Timeouts:
     @classmethod
     def scaled(cls, exchange: float) -> Timeouts:
         """Timeouts in the default proportions for a given exchange timeout."""
-        return cls(exchange=exchange, decision=3 * exchange, pause=exchange, group=6 * exchange, poll=min(0.05, exchange / 10))
+        return cls(
+            exchange=exchange, decision=3 * exchange, pause=exchange, group=6 * exchange, poll=min(0.05, exchange / 10)
+        )
 
 
 @dataclass(frozen=True)

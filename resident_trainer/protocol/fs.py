@@ -15,7 +15,8 @@ import fcntl
 import os
 import posixpath
 from collections.abc import Callable, Iterator
-from typing import ContextManager, Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
 
 from resident_trainer._files import write_atomic
 
@@ -39,7 +40,7 @@ class FileSystem(Protocol):
     def listdir(self, path: str) -> list[str]:
         """Sorted names in directory `path` ([] when missing)."""
 
-    def guard(self, path: str) -> ContextManager[None]:
+    def guard(self, path: str) -> AbstractContextManager[None]:
         """An exclusive section shared by every process using `path`."""
 
 

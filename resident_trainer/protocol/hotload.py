@@ -97,7 +97,7 @@ def execute(
         targets.append(mod)
     # Compile everything before executing anything, so a syntax error loads nothing.
     compiled = [compile(src, f"<hotload {name} {agreed[:12]}>", "exec") for name, src in code.files]
-    for (name, _), obj, mod in zip(code.files, compiled, targets):
+    for obj, mod in zip(compiled, targets):
         namespace = mod.__dict__ if isinstance(mod, ModuleType) else mod
         exec(obj, namespace)
     return [name for name, _ in code.files]

@@ -136,7 +136,13 @@ class JobSpec:
 
     def public(self) -> dict[str, Any]:
         """Everything but the authority: what the START op carries."""
-        return {"name": self.name, "kind": self.kind.value, "steps": self.steps, "root": self.root, "modules": list(self.modules)}
+        return {
+            "name": self.name,
+            "kind": self.kind.value,
+            "steps": self.steps,
+            "root": self.root,
+            "modules": list(self.modules),
+        }
 
     @classmethod
     def from_public(cls, d: Mapping[str, Any]) -> JobSpec:
@@ -267,7 +273,9 @@ class WorkerServing(Protocol):
 
 
 def start_tag_for(authority: str, group: str, serial: int, spec: JobSpec) -> str:
-    return start_tag(authority, group, serial, spec.name, spec.kind.value, spec.steps, spec.root, ",".join(spec.modules))
+    return start_tag(
+        authority, group, serial, spec.name, spec.kind.value, spec.steps, spec.root, ",".join(spec.modules)
+    )
 
 
 class JobRun:
@@ -328,7 +336,9 @@ class JobRun:
                 self.store_down_since = now
                 self.phase("store_error", error=str(exc))
             if now - self.store_down_since >= self.timeouts.group:
-                raise GroupLost(f"rank {self.rank}: store failing for {now - self.store_down_since:.3f}s: {exc}") from exc
+                raise GroupLost(
+                    f"rank {self.rank}: store failing for {now - self.store_down_since:.3f}s: {exc}"
+                ) from exc
             return Wake(now + self.timeouts.poll)
         self.store_down_since = None
         return wake
@@ -370,12 +380,16 @@ class JobRun:
             self.fp_after = after
             abort(err)
             if after is not None:
-                changed = sorted(k for k in set(after) | set(self.fp_before or {}) if after.get(k) != (self.fp_before or {}).get(k))
+                changed = sorted(
+                    k for k in set(after) | set(self.fp_before or {}) if after.get(k) != (self.fp_before or {}).get(k)
+                )
                 abort(f"rank {self.rank}: frozen fingerprint changed: {', '.join(changed)}" if changed else None)
         if kind is BoundaryKind.COMMIT and vote["abort"] is None:
             digest, err = self._body_call(
                 "checkpoint",
-                lambda: self.ctx.checkpoints.write_shard(self.ctx.group, self.serial, self.rank, self.body.checkpoint()),
+                lambda: self.ctx.checkpoints.write_shard(
+                    self.ctx.group, self.serial, self.rank, self.body.checkpoint()
+                ),
             )
             abort(err)
             self.shard = digest
@@ -477,7 +491,9 @@ class HeadJob(JobRun):
     """The head's side of one job. The serving loop has already broadcast
     the START op (message `msg`) before the first tick."""
 
-    def __init__(self, ctx: RankContext, spec: JobSpec, serial: int, msg: int, body: JobBody, serving: HeadServing) -> None:
+    def __init__(
+        self, ctx: RankContext, spec: JobSpec, serial: int, msg: int, body: JobBody, serving: HeadServing
+    ) -> None:
         super().__init__(ctx, spec, serial, msg)
         self.body = body
         self.serving = serving
@@ -505,7 +521,9 @@ class HeadJob(JobRun):
                             self.reports[r] = rec.body
                 aborting = self.vote["abort"] or any(rep.get("abort") for rep in self.reports.values())
                 if not aborting and len(self.reports) < len(self.workers) and self.now() < self.deadline:
-                    missing = [ch.key(self.serial, self.boundary, REPORT, r) for r in self.workers if r not in self.reports]
+                    missing = [
+                        ch.key(self.serial, self.boundary, REPORT, r) for r in self.workers if r not in self.reports
+                    ]
                     return Wake(self.deadline, tuple(missing))
                 self.state = JobState.DECIDE
             elif self.state == JobState.DECIDE:
@@ -545,7 +563,9 @@ class HeadJob(JobRun):
                 # Before the deadline a missing report is not a reason: the job
                 # is aborting for another one already.
                 if self.now() >= self.deadline:
-                    reasons.append(self.timed_out(f"no report from rank {r} within {self.timeouts.exchange}s", self.deadline))
+                    reasons.append(
+                        self.timed_out(f"no report from rank {r} within {self.timeouts.exchange}s", self.deadline)
+                    )
             elif rep.get("abort"):
                 reasons.append(str(rep["abort"]))
             elif self.boundary == SEAL and rep.get("msg") != self.msg:
@@ -555,7 +575,10 @@ class HeadJob(JobRun):
         if kind is BoundaryKind.LOAD and not reasons:
             digests = {self.rank: self.vote.get("digest"), **{r: self.reports[r].get("digest") for r in self.workers}}
             if len(set(digests.values())) != 1:
-                reasons.append("hot-load refused: staged code differs between ranks: " + ", ".join(f"rank {r}: {str(d)[:16]}" for r, d in sorted(digests.items())))
+                reasons.append(
+                    "hot-load refused: staged code differs between ranks: "
+                    + ", ".join(f"rank {r}: {str(d)[:16]}" for r, d in sorted(digests.items()))
+                )
             else:
                 p["digest"] = digests[self.rank]
         if reasons:
@@ -568,7 +591,10 @@ class HeadJob(JobRun):
             p["v"] = Verdict.SAVE.value
         elif kind is BoundaryKind.COMMIT:
             p["v"] = Verdict.PUBLISH.value
-            p["shards"] = {str(self.rank): self.vote.get("shard"), **{str(r): self.reports[r].get("shard") for r in self.workers}}
+            p["shards"] = {
+                str(self.rank): self.vote.get("shard"),
+                **{str(r): self.reports[r].get("shard") for r in self.workers},
+            }
         elif kind is BoundaryKind.LOAD:
             p["v"] = Verdict.LOAD.value
         else:
@@ -599,8 +625,17 @@ class WorkerJob(JobRun):
 
     def seal_vote(self) -> str | None:
         cfg = self.ctx.config
-        if not tag_ok(cfg.authority, self.tag, self.ctx.group, self.serial, self.spec.name, self.spec.kind.value,
-                      self.spec.steps, self.spec.root, ",".join(self.spec.modules)):
+        if not tag_ok(
+            cfg.authority,
+            self.tag,
+            self.ctx.group,
+            self.serial,
+            self.spec.name,
+            self.spec.kind.value,
+            self.spec.steps,
+            self.spec.root,
+            ",".join(self.spec.modules),
+        ):
             return f"rank {self.rank}: the START's authority tag does not match this rank's authority"
         if self.spec.kind is JobKind.HOTLOAD and not cfg.hotload:
             return f"rank {self.rank}: hot-load is disabled on this rank"
@@ -670,7 +705,15 @@ class WorkerJob(JobRun):
                     why = self.timed_out(f"no decision within {self.timeouts.decision}s", self.deadline)
                     verdict = Verdict.CANCEL if self.boundary == SEAL else Verdict.ABORT
                     self._note(self.boundary, DECISION, HEAD)
-                    rec = ch.claim(Record(self.serial, self.boundary, DECISION, HEAD, {"v": verdict.value, "by": self.rank, "why": [why]}))
+                    rec = ch.claim(
+                        Record(
+                            self.serial,
+                            self.boundary,
+                            DECISION,
+                            HEAD,
+                            {"v": verdict.value, "by": self.rank, "why": [why]},
+                        )
+                    )
                 if rec.body.get("by") == self.rank:
                     # This rank's own claim won (possibly on an earlier try).
                     self._note(self.boundary, DECISION, HEAD)
@@ -693,7 +736,9 @@ class WorkerJob(JobRun):
                     # The head sends RESUME right after one iteration; silence
                     # this long means it is gone, and leaving the pause alone
                     # would desynchronise the group.
-                    raise GroupLost(self.timed_out(f"no serving op within {self.timeouts.pause}s of a pause", self.deadline))
+                    raise GroupLost(
+                        self.timed_out(f"no serving op within {self.timeouts.pause}s of a pause", self.deadline)
+                    )
                 if op.kind is OpKind.SERVE:
                     self.serving.execute(op)
                     self.deadline = self.now() + self.timeouts.pause
@@ -701,7 +746,9 @@ class WorkerJob(JobRun):
                     self.phase("resume")
                     self.state = JobState.STEP
                 else:
-                    raise GroupLost(f"rank {self.rank}: unexpected {op.kind.value} op (message {op.msg}) inside the pause of boundary {self.boundary}")
+                    raise GroupLost(
+                        f"rank {self.rank}: unexpected {op.kind.value} op (message {op.msg}) inside the pause of boundary {self.boundary}"
+                    )
             elif self.state == JobState.STEP:
                 self.run_step()
             elif self.state == JobState.FINISH:

@@ -88,7 +88,9 @@ class FencedLock:
                 f"held by {st['owner']!r}"
             )
         if st["expires"] <= now:
-            raise FencedOut(f"lease token {lease.token} of {lease.owner!r} expired at {st['expires']:.3f} (now {now:.3f})")
+            raise FencedOut(
+                f"lease token {lease.token} of {lease.owner!r} expired at {st['expires']:.3f} (now {now:.3f})"
+            )
 
     def check(self, lease: Lease) -> None:
         """Raise FencedOut unless `lease` is the current, unexpired lease."""

@@ -48,7 +48,14 @@ class GroupState:
     @classmethod
     def decode(cls, raw: bytes) -> GroupState:
         d = json.loads(raw)
-        return cls(int(d["generation"]), int(d["token"]), str(d["status"]), int(d.get("port", 0)), tuple(d.get("pids", ())), d.get("extra", {}))
+        return cls(
+            int(d["generation"]),
+            int(d["token"]),
+            str(d["status"]),
+            int(d.get("port", 0)),
+            tuple(d.get("pids", ())),
+            d.get("extra", {}),
+        )
 
 
 class GroupControl(Protocol):

@@ -160,7 +160,10 @@ class HeadServer:
     def _start(self, spec: JobSpec) -> None:
         cfg = self.ctx.config
         if not authority_ok(cfg.authority, spec.authority):
-            self._refuse(spec, "the job does not carry the configured authority" if cfg.authority else "no authority is configured")
+            self._refuse(
+                spec,
+                "the job does not carry the configured authority" if cfg.authority else "no authority is configured",
+            )
             return
         if spec.kind is JobKind.HOTLOAD and not cfg.hotload:
             self._refuse(spec, "hot-load is disabled (RESIDENT_TRAINER_HOTLOAD)")
@@ -201,8 +204,15 @@ class HeadServer:
             else:
                 job._body_call("discard", job.body.discard)
         job.write_receipt(manifest_error=manifest_error)
-        self.closing.append(_Closing(job.serial, job.spec.last_seq, job.boundary,
-                                     self.ctx.clock.now() + self.ctx.config.timeouts.exchange, verdict=job.outcome.label))
+        self.closing.append(
+            _Closing(
+                job.serial,
+                job.spec.last_seq,
+                job.boundary,
+                self.ctx.clock.now() + self.ctx.config.timeouts.exchange,
+                verdict=job.outcome.label,
+            )
+        )
 
     def _progress_closing(self) -> tuple[str, ...]:
         ch = self.ctx.channel
@@ -212,7 +222,9 @@ class HeadServer:
                 if r not in c.acked and ch.read(c.serial, c.final_seq, ACK, r) is not None:
                     c.acked.add(r)
             if len(c.acked) < self.ctx.world - 1 and self.ctx.clock.now() < c.deadline:
-                return tuple(ch.key(c.serial, c.final_seq, ACK, r) for r in range(1, self.ctx.world) if r not in c.acked)
+                return tuple(
+                    ch.key(c.serial, c.final_seq, ACK, r) for r in range(1, self.ctx.world) if r not in c.acked
+                )
             # Closed before the purge: a worker writing after the purge sees it
             # and takes its write back.
             if not c.marked:
@@ -250,9 +262,17 @@ class HeadServer:
                     # nothing can be coordinated any more; recovery restarts the group.
                     job, self.job = self.job, None
                     self.lost = str(exc)
-                    self.ctx.log.receipt(job.spec.name, "group_lost", serial=job.serial, kind=job.spec.kind.value,
-                                         msg=job.msg, boundary=job.boundary, last=job.spec.last_seq, reasons=[str(exc)],
-                                         steps=job.steps_done)
+                    self.ctx.log.receipt(
+                        job.spec.name,
+                        "group_lost",
+                        serial=job.serial,
+                        kind=job.spec.kind.value,
+                        msg=job.msg,
+                        boundary=job.boundary,
+                        last=job.spec.last_seq,
+                        reasons=[str(exc)],
+                        steps=job.steps_done,
+                    )
                     job._body_call("discard", job.body.discard)
                     return Wake(None)
                 try:
@@ -352,7 +372,9 @@ class WorkerServer:
                 self.pending = None
             spec = JobSpec.from_public(op.data)
             log.phase(spec.name, "start", serial=op.job, b=-1, msg=op.msg)
-            self.job = self.job_class(self.ctx, spec, op.job, op.msg, str(op.data.get("tag", "")), self.body_factory, self)
+            self.job = self.job_class(
+                self.ctx, spec, op.job, op.msg, str(op.data.get("tag", "")), self.body_factory, self
+            )
         elif op.kind is OpKind.PUBLISH:
             if self.pending is not None and self.pending[0] == op.job:
                 serial, name, body = self.pending
@@ -404,9 +426,17 @@ class WorkerServer:
         job = self.job
         if job is not None:
             job.phase("group_lost", why=why)
-            self.ctx.log.receipt(job.spec.name, "group_lost", serial=job.serial, kind=job.spec.kind.value,
-                                 msg=job.msg, boundary=job.boundary, last=job.spec.last_seq, reasons=[why],
-                                 steps=job.steps_done)
+            self.ctx.log.receipt(
+                job.spec.name,
+                "group_lost",
+                serial=job.serial,
+                kind=job.spec.kind.value,
+                msg=job.msg,
+                boundary=job.boundary,
+                last=job.spec.last_seq,
+                reasons=[why],
+                steps=job.steps_done,
+            )
             if job.body is not None:
                 job._body_call("discard", job.body.discard)
         else:

@@ -46,8 +46,15 @@ class ServingOp:
 
     def encode(self) -> bytes:
         return json.dumps(
-            {"msg": self.msg, "kind": self.kind.value, "live": self.live_after, "job": self.job,
-             "b": self.boundary, "chats": list(self.chats), "data": dict(self.data)},
+            {
+                "msg": self.msg,
+                "kind": self.kind.value,
+                "live": self.live_after,
+                "job": self.job,
+                "b": self.boundary,
+                "chats": list(self.chats),
+                "data": dict(self.data),
+            },
             separators=(",", ":"),
             sort_keys=True,
         ).encode()
@@ -55,7 +62,9 @@ class ServingOp:
     @classmethod
     def decode(cls, raw: bytes) -> ServingOp:
         d = json.loads(raw)
-        return cls(int(d["msg"]), OpKind(d["kind"]), bool(d["live"]), int(d["job"]), int(d["b"]), tuple(d["chats"]), d["data"])
+        return cls(
+            int(d["msg"]), OpKind(d["kind"]), bool(d["live"]), int(d["job"]), int(d["b"]), tuple(d["chats"]), d["data"]
+        )
 
 
 @dataclass

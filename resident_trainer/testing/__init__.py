@@ -22,6 +22,7 @@ __all__ = [
     "SimResult",
     "Simulation",
     "SweepReport",
+    "VARIANTS",
     "parallel_sweep",
     "run_seed",
 ]

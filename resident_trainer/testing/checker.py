@@ -54,10 +54,14 @@ class InvariantChecks:
         cached = self._parsed.get(gen.number)
         if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
             return cached[1]
-        receipts = {r.rank: [x for x in read_jsonl(self.fs, r.ctx.log.receipts_path) if x["group"] == gen.group]
-                    for r in gen.ranks}
-        phases = {r.rank: [x for x in read_jsonl(self.fs, r.ctx.log.phases_path) if x["group"] == gen.group]
-                  for r in gen.ranks}
+        receipts = {
+            r.rank: [x for x in read_jsonl(self.fs, r.ctx.log.receipts_path) if x["group"] == gen.group]
+            for r in gen.ranks
+        }
+        phases = {
+            r.rank: [x for x in read_jsonl(self.fs, r.ctx.log.phases_path) if x["group"] == gen.group]
+            for r in gen.ranks
+        }
         self._parsed[gen.number] = (key, (receipts, phases))
         return receipts, phases
 
@@ -81,8 +85,12 @@ class InvariantChecks:
                 v += self._check_job(gen, name, per, phases)
             # Decided PUBLISH: the only jobs LAST_GOOD may name (the head can
             # die between its manifest and its receipt).
-            published |= {(gen.group, p["job"]) for ps in phases.values() for p in ps
-                          if p["phase"] == "decided" and p.get("v") == "publish"}
+            published |= {
+                (gen.group, p["job"])
+                for ps in phases.values()
+                for p in ps
+                if p["phase"] == "decided" and p.get("v") == "publish"
+            }
             v += self._check_authority(gen, by_job, phases)
             v += self._check_serving(gen)
             v += self._check_publish(gen)
@@ -101,10 +109,14 @@ class InvariantChecks:
                 s = seqs[r.rank]
                 if k < len(s):
                     if s[k][0] != tag:
-                        return [f"generation {gen.number}: collective {k} is {s[k][0]} on rank {r.rank} but {tag} on another"]
+                        return [
+                            f"generation {gen.number}: collective {k} is {s[k][0]} on rank {r.rank} but {tag} on another"
+                        ]
                 elif r.gone_at is None and gen.killed_at is None:
                     what = "trained" if tag[0] == "T" else "served"
-                    return [f"generation {gen.number}: a rank {what} alone ({tag} at t={t:.3f}); rank {r.rank} is alive and never joined"]
+                    return [
+                        f"generation {gen.number}: a rank {what} alone ({tag} at t={t:.3f}); rank {r.rank} is alive and never joined"
+                    ]
         return []
 
     def _check_job(self, gen: SimGen, name: str, per: dict[int, dict], phases: dict[int, list]) -> list[str]:
@@ -119,18 +131,31 @@ class InvariantChecks:
                 continue
             if x["outcome"] == "abandoned":
                 if x["boundary"] != head["boundary"] or head["outcome"] == "publish":
-                    v.append(f"job {name}: rank {rank} abandoned at boundary {x['boundary']}, the head ended {head['outcome']} at {head['boundary']}")
+                    v.append(
+                        f"job {name}: rank {rank} abandoned at boundary {x['boundary']}, the head ended {head['outcome']} at {head['boundary']}"
+                    )
             elif (x["outcome"], x["boundary"]) != (head["outcome"], head["boundary"]):
-                v.append(f"job {name}: rank {rank} ended {x['outcome']} at boundary {x['boundary']}, the head {head['outcome']} at {head['boundary']}")
+                v.append(
+                    f"job {name}: rank {rank} ended {x['outcome']} at boundary {x['boundary']}, the head {head['outcome']} at {head['boundary']}"
+                )
         for r in gen.ranks[1:]:
-            if r.rank not in per and r.gone_at is None and gen.killed_at is None and (head["outcome"], head["boundary"]) != ("cancel", -1):
-                v.append(f"job {name}: rank {r.rank} is alive but has no receipt (the head: {head['outcome']} at {head['boundary']})")
+            if (
+                r.rank not in per
+                and r.gone_at is None
+                and gen.killed_at is None
+                and (head["outcome"], head["boundary"]) != ("cancel", -1)
+            ):
+                v.append(
+                    f"job {name}: rank {r.rank} is alive but has no receipt (the head: {head['outcome']} at {head['boundary']})"
+                )
         # Any rank's abort reason at boundary b ends the job at b at the latest.
         if head["outcome"] != "group_lost":
             for rank, ps in phases.items():
                 for p in ps:
                     if p["job"] == name and p["phase"] == "reported" and p.get("abort") and p["b"] < head["boundary"]:
-                        v.append(f"job {name}: rank {rank} reported an abort at boundary {p['b']}, the job went on to {head['boundary']}")
+                        v.append(
+                            f"job {name}: rank {rank} reported an abort at boundary {p['b']}, the job went on to {head['boundary']}"
+                        )
                         break
         corrupted = any(c[0] == gen.number and c[2] == name for c in self.corrupted)
         for rank, x in per.items():
@@ -154,7 +179,9 @@ class InvariantChecks:
             loaded = sorted(rank for rank, x in per.items() if x.get("loaded"))
             digests = {p["digest"] for ps in phases.values() for p in ps if p["phase"] == "load" and p["job"] == name}
             if self.sc.hot_differ is not None and loaded:
-                v.append(f"hot-load {name}: ranks {loaded} loaded although rank {self.sc.hot_differ}'s staged bytes differ")
+                v.append(
+                    f"hot-load {name}: ranks {loaded} loaded although rank {self.sc.hot_differ}'s staged bytes differ"
+                )
             if len(digests) > 1:
                 v.append(f"hot-load {name}: ranks executed different digests {sorted(digests)}")
             src = hot_source(name)
@@ -168,7 +195,9 @@ class InvariantChecks:
                     if ran > 1 or (ran and not digests):
                         v.append(f"hot-load {name}: rank {r.rank} executed it {ran} times without an agreement")
                 elif ran != (1 if r.rank in loaded else 0):
-                    v.append(f"hot-load {name}: rank {r.rank} executed it {ran} times, its receipt says {'loaded' if r.rank in loaded else 'not loaded'}")
+                    v.append(
+                        f"hot-load {name}: rank {r.rank} executed it {ran} times, its receipt says {'loaded' if r.rank in loaded else 'not loaded'}"
+                    )
         return v
 
     def _check_authority(self, gen: SimGen, by_job: dict, phases: dict[int, list]) -> list[str]:
@@ -214,9 +243,17 @@ class InvariantChecks:
             started = sum(1 for t in head_steps if chat.arrived < t < chat.first_served)
             if started > 1:
                 v.append(f"chat {cid} waited through {started} microbatches (arrived t={chat.arrived:.3f})")
-            bound = STEP_MAX + 2 * TIMEOUTS.exchange + TIMEOUTS.pause + 0.2 + self._overlap(chat.arrived, min(done, chat.arrived + 1e3))
+            bound = (
+                STEP_MAX
+                + 2 * TIMEOUTS.exchange
+                + TIMEOUTS.pause
+                + 0.2
+                + self._overlap(chat.arrived, min(done, chat.arrived + 1e3))
+            )
             if done - chat.arrived > bound:
-                v.append(f"chat {cid} waited {done - chat.arrived:.3f}s (bound {bound:.3f}s, arrived t={chat.arrived:.3f})")
+                v.append(
+                    f"chat {cid} waited {done - chat.arrived:.3f}s (bound {bound:.3f}s, arrived t={chat.arrived:.3f})"
+                )
         return v
 
     def _check_publish(self, gen: SimGen) -> list[str]:
@@ -244,19 +281,27 @@ class InvariantChecks:
                         v.append(f"rank {rank}: a wait ran {p['late']:.3f}s past its deadline (slack {slack:.3f}s)")
         if gen.head_dead_at is not None and gen.killed_at is None:
             for r in gen.ranks[1:]:
-                limit = TIMEOUTS.group + TIMEOUTS.decision + 0.5 + self._overlap(gen.head_dead_at, gen.head_dead_at + 60)
+                limit = (
+                    TIMEOUTS.group + TIMEOUTS.decision + 0.5 + self._overlap(gen.head_dead_at, gen.head_dead_at + 60)
+                )
                 if r.gone_at is None:
                     v.append(f"generation {gen.number}: rank {r.rank} still running after its head died")
                 elif r.gone_at - gen.head_dead_at > limit:
-                    v.append(f"generation {gen.number}: rank {r.rank} left {r.gone_at - gen.head_dead_at:.3f}s after its head died")
+                    v.append(
+                        f"generation {gen.number}: rank {r.rank} left {r.gone_at - gen.head_dead_at:.3f}s after its head died"
+                    )
         if gen is self.gen and gen.killed_at is None:
             for r in gen.ranks:
                 if r.gone_at is not None or r.refused:
                     continue
                 s = r.server
-                if isinstance(s, HeadServer) and (s.job is not None or s.queue or s.closing or s.outbox or s.live or s.waiting):
+                if isinstance(s, HeadServer) and (
+                    s.job is not None or s.queue or s.closing or s.outbox or s.live or s.waiting
+                ):
                     state = s.job.state if s.job is not None else "-"
-                    v.append(f"the head is still busy at the end (job state {state}, {len(s.closing)} closing, {len(s.live)} live chats)")
+                    v.append(
+                        f"the head is still busy at the end (job state {state}, {len(s.closing)} closing, {len(s.live)} live chats)"
+                    )
                 if isinstance(s, WorkerServer) and s.job is not None:
                     v.append(f"rank {r.rank} is still in job {s.job.spec.name} (state {s.job.state}) at the end")
             if gen.ranks[0].gone_at is None:
@@ -302,8 +347,19 @@ class InvariantChecks:
         actions. Sweeps add these up to show every case was reached."""
         c: collections.Counter = collections.Counter()
         sc = self.sc
-        for name in ("never_join", "late_start", "breach", "stop", "outage", "corrupt", "ckpt_crash", "stall",
-                     "stale_owner", "hot_differ", "hot_change"):
+        for name in (
+            "never_join",
+            "late_start",
+            "breach",
+            "stop",
+            "outage",
+            "corrupt",
+            "ckpt_crash",
+            "stall",
+            "stale_owner",
+            "hot_differ",
+            "hot_change",
+        ):
             if getattr(sc, name) is not None:
                 c[f"fault:{name}"] += 1
         if sc.store_err_p:

@@ -202,7 +202,12 @@ class SimFS(MemoryFileSystem):
     def read_bytes(self, path: str) -> bytes | None:
         data = super().read_bytes(path)
         sim = self.sim
-        if data is not None and sim.sc.hot_differ is not None and sim.current == sim.sc.hot_differ and "/staged/" in path:
+        if (
+            data is not None
+            and sim.sc.hot_differ is not None
+            and sim.current == sim.sc.hot_differ
+            and "/staged/" in path
+        ):
             return data + b"# this rank's copy differs\n"
         return data
 
@@ -280,7 +285,9 @@ class SimBody:
             if len(theirs) > k:
                 if theirs[k][0] != tag:
                     self.entered = None
-                    sim.mismatches.append(f"generation {gen.number}: collective {k}: rank {self.rank} entered {tag}, rank {peer.rank} {theirs[k][0]}")
+                    sim.mismatches.append(
+                        f"generation {gen.number}: collective {k}: rank {self.rank} entered {tag}, rank {peer.rank} {theirs[k][0]}"
+                    )
                     raise PeerLost(f"collective {k} mismatched")
                 continue
             if peer.dead or peer.lost_at is not None:
@@ -298,7 +305,9 @@ class SimBody:
 
     def checkpoint(self) -> bytes:
         self.sim.charge(0.002)
-        self.trained = hashlib.sha256(f"{self.gen.block[self.rank]}|{self.spec.name}|{self.steps}".encode()).hexdigest()[:16]
+        self.trained = hashlib.sha256(
+            f"{self.gen.block[self.rank]}|{self.spec.name}|{self.steps}".encode()
+        ).hexdigest()[:16]
         return ("block:" + self.trained).encode()
 
     def publish(self) -> None:

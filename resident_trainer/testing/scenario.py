@@ -57,8 +57,15 @@ class Scenario:
         for i in range(njobs):
             kind = JobKind.HOTLOAD if rng.random() < 0.15 else JobKind.TRAIN
             auth = AUTHORITY if rng.random() < 0.92 else rng.choice(("", "sim-authorit", "wrong"))
-            sc.jobs.append({"t": round(rng.uniform(0.0, 2.5), 4), "name": f"job{i}", "kind": kind.value,
-                            "steps": rng.randint(1, 4), "authority": auth})
+            sc.jobs.append(
+                {
+                    "t": round(rng.uniform(0.0, 2.5), 4),
+                    "name": f"job{i}",
+                    "kind": kind.value,
+                    "steps": rng.randint(1, 4),
+                    "authority": auth,
+                }
+            )
         sc.chats = sorted((round(rng.uniform(0.0, 3.5), 4), rng.randint(1, 3)) for _ in range(rng.randint(0, 7)))
         sc.store_latency = rng.choice((0.0002, 0.001, 0.005))
         sc.link_delay = rng.choice((0.001, 0.01, 0.05))
@@ -78,8 +85,13 @@ class Scenario:
             how = rng.choice(("phase", "phase", "phase", "op", "time"))
             if how == "phase":
                 phases = [p for p in DEATH_PHASES if p != ("reported" if rank == 0 else "collect")]
-                sc.death = {"rank": rank, "how": how, "job": rng.randrange(njobs), "phase": rng.choice(phases),
-                            "b": rng.choice((-1, -1, 0, 1, 2))}
+                sc.death = {
+                    "rank": rank,
+                    "how": how,
+                    "job": rng.randrange(njobs),
+                    "phase": rng.choice(phases),
+                    "b": rng.choice((-1, -1, 0, 1, 2)),
+                }
                 # The job must run, and reach the phase, for the rank to die there.
                 job = sc.jobs[sc.death["job"]]
                 job["authority"] = AUTHORITY
@@ -88,8 +100,9 @@ class Scenario:
                     sc.death["b"] = min(sc.death["b"], 0)  # a hot-load loads at boundary 0
                 if sc.death["phase"] in ("pause", "resume"):
                     job["kind"] = JobKind.TRAIN.value
-                    sc.chats = sorted(sc.chats + [(round(job["t"] + rng.uniform(0.01, 0.4), 4), rng.randint(1, 3))
-                                                  for _ in range(3)])
+                    sc.chats = sorted(
+                        sc.chats + [(round(job["t"] + rng.uniform(0.01, 0.4), 4), rng.randint(1, 3)) for _ in range(3)]
+                    )
             elif how == "op":
                 sc.death = {"rank": rank, "how": how, "op": rng.randint(1, 150), "after": rng.random() < 0.5}
             else:

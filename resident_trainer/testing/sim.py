@@ -37,7 +37,9 @@ from resident_trainer.testing.scenario import VARIANTS
 from resident_trainer.testing.simulation import Simulation, SweepReport, run_seed
 
 
-def _sweep_chunk(args: tuple[int, int, int | None, str | None]) -> tuple[list[tuple[int, int, list[str]]], dict[str, int]]:
+def _sweep_chunk(
+    args: tuple[int, int, int | None, str | None],
+) -> tuple[list[tuple[int, int, list[str]]], dict[str, int]]:
     start, stop, world, variant = args
     bad, cov = [], collections.Counter()
     for seed in range(start, stop):
@@ -48,8 +50,9 @@ def _sweep_chunk(args: tuple[int, int, int | None, str | None]) -> tuple[list[tu
     return bad, dict(cov)
 
 
-def parallel_sweep(start: int, count: int, worlds: Sequence[int | None] = (None,), variant: str | None = None,
-                   processes: int = 2) -> SweepReport:
+def parallel_sweep(
+    start: int, count: int, worlds: Sequence[int | None] = (None,), variant: str | None = None, processes: int = 2
+) -> SweepReport:
     """Run seeds [start, start+count) for each world size in `worlds` over
     `processes` worker processes."""
     t0 = time.perf_counter()
@@ -76,8 +79,9 @@ def parallel_sweep(start: int, count: int, worlds: Sequence[int | None] = (None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m resident_trainer.testing.sim",
-                                description="Seeded simulation of the coordination protocol.")
+    p = argparse.ArgumentParser(
+        prog="python -m resident_trainer.testing.sim", description="Seeded simulation of the coordination protocol."
+    )
     p.add_argument("--seed", type=int, help="replay one seed: print its scenario and violations")
     p.add_argument("--seeds", type=int, default=1000, help="sweep this many seeds, from --start")
     p.add_argument("--start", type=int, default=0)

@@ -112,8 +112,14 @@ class Simulation(InvariantChecks):
         self.ops: dict[int, int] = {}
         self.gens: list[SimGen] = []
         self.fs = SimFS(self)
-        self.config = ProtocolConfig(authority=AUTHORITY, receipts_dir="/receipts", checkpoints_dir="/ckpt",
-                                     state_dir="/state", hotload=True, timeouts=TIMEOUTS)
+        self.config = ProtocolConfig(
+            authority=AUTHORITY,
+            receipts_dir="/receipts",
+            checkpoints_dir="/ckpt",
+            state_dir="/state",
+            hotload=True,
+            timeouts=TIMEOUTS,
+        )
         self.sup_offset = 0.0
         self.delays: dict[int, list[tuple[float, float]]] = {}
         self.corrupted: list[tuple[int, int, str]] = []
@@ -164,10 +170,14 @@ class Simulation(InvariantChecks):
             return None
 
         def hook(line: dict) -> None:
-            if (self.job_index(line.get("job")) == d["job"] and line.get("phase") == d["phase"]
-                    and (line.get("b") is None or line.get("b") >= d["b"])):
+            if (
+                self.job_index(line.get("job")) == d["job"]
+                and line.get("phase") == d["phase"]
+                and (line.get("b") is None or line.get("b") >= d["b"])
+            ):
                 self.fired.append(f"death:{d['phase']}")
                 raise Killed()
+
         return hook
 
     def start_gen(self, number: int, token: int) -> SimGen:
@@ -189,19 +199,39 @@ class Simulation(InvariantChecks):
             except CorruptCheckpoint as exc:
                 self.load_errors.append(f"generation {number} rank {r}: {exc}")
             clock = SimClock(self)
-            log = RecordLog(self.fs, "/receipts", rank=r, group=gen.group, clock=clock,
-                            stack_dumper=lambda: "(simulated stacks)\n", on_phase=self._on_phase(gen, r))
+            log = RecordLog(
+                self.fs,
+                "/receipts",
+                rank=r,
+                group=gen.group,
+                clock=clock,
+                stack_dumper=lambda: "(simulated stacks)\n",
+                on_phase=self._on_phase(gen, r),
+            )
             monitor = BudgetMonitor(MemoryBudget(floor=100, ceiling=1000), self._sampler(r))
-            ctx = RankContext(rank=r, world=world, group=gen.group,
-                              channel=TrainerChannel(gen.store, group=gen.group, world=world),
-                              clock=clock, fs=self.fs, log=log, config=self.config, budget=monitor,
-                              checkpoints=ckpts, modules=gen.modules[r])
+            ctx = RankContext(
+                rank=r,
+                world=world,
+                group=gen.group,
+                channel=TrainerChannel(gen.store, group=gen.group, world=world),
+                clock=clock,
+                fs=self.fs,
+                log=log,
+                config=self.config,
+                budget=monitor,
+                checkpoints=ckpts,
+                modules=gen.modules[r],
+            )
             factory = self._factory(gen)
             if r == 0:
                 cls = DeafHead if self.variant == "deaf_head" else HeadServer
-                server = cls(ctx, link=gen.link, backend=SimBackend(self, gen, r), chats=gen.chats, body_factory=factory)
+                server = cls(
+                    ctx, link=gen.link, backend=SimBackend(self, gen, r), chats=gen.chats, body_factory=factory
+                )
             else:
-                server = variant_worker(self, ctx, link=gen.link.view(r), backend=SimBackend(self, gen, r), body_factory=factory)
+                server = variant_worker(
+                    self, ctx, link=gen.link.view(r), backend=SimBackend(self, gen, r), body_factory=factory
+                )
             gen.ranks.append(SimRank(r, server, ctx, monitor, ready_at=self.now, wake_at=self.now))
         self.gens.append(gen)
         if not self.gens or number >= max(g.number for g in self.gens):
@@ -212,6 +242,7 @@ class Simulation(InvariantChecks):
     def _factory(self, gen: SimGen):
         def make(spec: JobSpec, ctx: RankContext) -> SimBody:
             return SimBody(self, gen, ctx.rank, spec)
+
         return make
 
     def _sampler(self, rank: int):
@@ -219,6 +250,7 @@ class Simulation(InvariantChecks):
             b = self.sc.breach
             free = 50 if (b and b[0] == rank and b[1] <= self.now < b[2]) else 500
             return MemorySample(free, 10)
+
         return sample
 
     def kill(self, gen: SimGen, rank: SimRank) -> None:
@@ -269,9 +301,18 @@ class Simulation(InvariantChecks):
         healthy = bool(self.gens) and self._healthy(self.gen)
         res = Recovery(self.lock, Control(), owner=owner).run()
         after = self.fs.read_bytes("/state/group.json")
-        self.recoveries.append({"owner": owner, "t": self.now, "action": res.action, "healthy": healthy,
-                                "changed": before != after, "generation": res.generation, "token": res.token,
-                                "stalled": stall_at})
+        self.recoveries.append(
+            {
+                "owner": owner,
+                "t": self.now,
+                "action": res.action,
+                "healthy": healthy,
+                "changed": before != after,
+                "generation": res.generation,
+                "token": res.token,
+                "stalled": stall_at,
+            }
+        )
 
     def _stale_interlude(self) -> None:
         """Supervisor A stalls past its lease; B takes the lock and recovers."""
@@ -314,8 +355,14 @@ class Simulation(InvariantChecks):
                 self.chat_objs[i] = chat
                 self.version += 1
         elif kind == "job":
-            spec = JobSpec(arg["name"], JobKind(arg["kind"]), arg["steps"], f"/jobs/{arg['name']}", arg["authority"],
-                           (HOT_MODULE,) if arg["kind"] == "hotload" else ())
+            spec = JobSpec(
+                arg["name"],
+                JobKind(arg["kind"]),
+                arg["steps"],
+                f"/jobs/{arg['name']}",
+                arg["authority"],
+                (HOT_MODULE,) if arg["kind"] == "hotload" else (),
+            )
             if spec.kind is JobKind.HOTLOAD:
                 self.fs.files[staged_path(spec.root, HOT_MODULE)] = hot_source(spec.name)
             if head_ok:
@@ -403,8 +450,11 @@ class Simulation(InvariantChecks):
                         r.monitor.sample()
             for _ in range(500):
                 v0 = (self.version, gen.store.version)
-                ranks = [r for r in gen.ranks
-                         if not r.dead and not r.refused and r.lost_at is None and r.ready_at <= self.now]
+                ranks = [
+                    r
+                    for r in gen.ranks
+                    if not r.dead and not r.refused and r.lost_at is None and r.ready_at <= self.now
+                ]
                 self.rng.shuffle(ranks)
                 for r in ranks:
                     self._tick(gen, r)

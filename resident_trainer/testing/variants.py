@@ -60,7 +60,12 @@ class SimWorker(WorkerServer):
 
     def _handle(self, op: ServingOp) -> None:
         nj = self.sim.sc.never_join
-        if op.kind is OpKind.START and nj and nj[0] == self.ctx.rank and self.sim.job_index(op.data.get("name")) == nj[1]:
+        if (
+            op.kind is OpKind.START
+            and nj
+            and nj[0] == self.ctx.rank
+            and self.sim.job_index(op.data.get("name")) == nj[1]
+        ):
             self.ctx.log.phase(op.data.get("name"), "ignored_start", serial=op.job, msg=op.msg)
             return
         super()._handle(op)

@@ -67,7 +67,9 @@ class AddedSharedNeurons(nn.Module):
         # rank keeps its rows: any split gives the same block as one process.
         g = torch.Generator().manual_seed(seed)
         full = torch.randn(2, num_neurons, hidden_size, generator=g) * init_std
-        gate_up = torch.cat([full[0, self.neuron_start : self.neuron_stop], full[1, self.neuron_start : self.neuron_stop]])
+        gate_up = torch.cat(
+            [full[0, self.neuron_start : self.neuron_stop], full[1, self.neuron_start : self.neuron_stop]]
+        )
         kw = dict(dtype=dtype, device=device)
         self.w_gate_up = nn.Parameter(gate_up.to(**kw))
         self.w_down = nn.Parameter(torch.zeros(hidden_size, a, **kw))
@@ -126,7 +128,9 @@ class AddedSharedNeurons(nn.Module):
         handle; .remove() detaches."""
         ffn = adapter.ffn(adapter.layer_index(layer))
         if self.hidden_size != adapter.hidden_size:
-            raise ValueError(f"the block's hidden_size={self.hidden_size} does not match the model's {adapter.hidden_size}")
+            raise ValueError(
+                f"the block's hidden_size={self.hidden_size} does not match the model's {adapter.hidden_size}"
+            )
         return ffn.register_forward_hook(self._hook)
 
     def _hook(self, module, inputs, output):

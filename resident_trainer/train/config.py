@@ -41,7 +41,9 @@ class TrainConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        if self.layer is not None and (not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0):
+        if self.layer is not None and (
+            not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0
+        ):
             raise ValueError(f"layer must be None (the middle layer) or an int >= 0, got {self.layer!r}")
         for name in ("num_neurons", "steps", "batch_size", "rewordings", "anchor_batch"):
             v = getattr(self, name)

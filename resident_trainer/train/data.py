@@ -83,7 +83,9 @@ ANCHOR_PROMPTS: tuple[str, ...] = (
 
 def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     """Token ids of the chat-formatted user turn, ready for the assistant reply."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -66,7 +66,9 @@ class Trainer:
         self.loss_fn = loss_fn or StreamedCrossEntropy(adapter)
         self.replay = LayerReplay(adapter, self.layer)
         self.params = [block.w_gate_up, block.w_down]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
         self.step_index = 0
         self.history: list[StepMetrics] = []
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -167,7 +169,9 @@ class Trainer:
         loss = float(res.loss)
         norm = clip_grad_norm_(self.params, self.config.clip, self.block.process_group)
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            raise TrainingAborted(f"step {index}: loss {loss}, gradient norm {norm}: the job stops, nothing is published")
+            raise TrainingAborted(
+                f"step {index}: loss {loss}, gradient norm {norm}: the job stops, nothing is published"
+            )
         self.optimizer.step()
         self.step_index = index + 1
         m = StepMetrics(index, loss - penalty_value, penalty_value, norm)

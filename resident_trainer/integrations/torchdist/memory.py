@@ -25,6 +25,7 @@ def system_sampler(workspace: Callable[[], int], device: str = "cpu") -> Callabl
     if device == "cpu":
         free = _mem_available
     elif device.startswith("cuda"):
+
         def free() -> int:
             return int(torch.cuda.mem_get_info(torch.device(device))[0])
     else:

@@ -109,8 +109,18 @@ class PairBody:
     hidden state h gets ``h @ block.T`` added, fitted to a fixed target by
     SGD whose gradient is all-reduced over the trainer group."""
 
-    def __init__(self, model: TinyModel, state: PairState, spec: JobSpec, group, *, rank: int, world: int,
-                 layer: int, watch_layer: int) -> None:
+    def __init__(
+        self,
+        model: TinyModel,
+        state: PairState,
+        spec: JobSpec,
+        group,
+        *,
+        rank: int,
+        world: int,
+        layer: int,
+        watch_layer: int,
+    ) -> None:
         self.model = model
         self.state = state
         self.spec = spec
@@ -232,17 +242,29 @@ class _JobIntake:
             self.kv.delete(f"ctl/job/{self.next}")
             self.next += 1
             try:
-                spec = JobSpec(d["name"], JobKind(d["kind"]), int(d["steps"]) or 1, d["root"], d.get("authority", ""),
-                               tuple(d.get("modules", ())))
+                spec = JobSpec(
+                    d["name"],
+                    JobKind(d["kind"]),
+                    int(d["steps"]) or 1,
+                    d["root"],
+                    d.get("authority", ""),
+                    tuple(d.get("modules", ())),
+                )
             except (ValueError, TypeError, KeyError) as exc:
                 print(f"resident-trainer pair: ignoring malformed job {d!r}: {exc}", file=sys.stderr, flush=True)
                 continue
             self.head.submit(spec)
 
 
-def drive(server: HeadServer | WorkerServer, kv: TorchKVStore, clock: MonotonicClock, stop: threading.Event,
-          poll: float, before_tick: Callable[[], None] | None = None,
-          idle_keys: Callable[[], tuple[str, ...]] | None = None) -> None:
+def drive(
+    server: HeadServer | WorkerServer,
+    kv: TorchKVStore,
+    clock: MonotonicClock,
+    stop: threading.Event,
+    poll: float,
+    before_tick: Callable[[], None] | None = None,
+    idle_keys: Callable[[], tuple[str, ...]] | None = None,
+) -> None:
     """Run a serving loop until `stop` or until its group is lost: tick,
     then block for at most `poll` on the keys the tick named (or, when it
     named none, on `idle_keys()`: the head's next chat), or on `stop`."""
@@ -286,8 +308,15 @@ def _make_store(cfg: ProtocolConfig, rank: int, world: int, port: int, generatio
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, port))
     sock.listen(128)
-    store = dist.TCPStore(cfg.host, sock.getsockname()[1], world, True, timeout=timeout, wait_for_workers=False,
-                          master_listen_fd=sock.fileno())
+    store = dist.TCPStore(
+        cfg.host,
+        sock.getsockname()[1],
+        world,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
     fs.write_atomic(port_path(cfg.state_dir, generation), str(sock.getsockname()[1]).encode())
     # The caller keeps the socket object: its fd must stay open as long as the store.
     return store, sock
@@ -299,19 +328,28 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--generation", type=int, required=True)
     p.add_argument("--token", type=int, required=True)
-    p.add_argument("--port", type=int, default=None,
-                   help="the store's port (default RESIDENT_TRAINER_MASTER_PORT; 0 on rank 0: any free port)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="the store's port (default RESIDENT_TRAINER_MASTER_PORT; 0 on rank 0: any free port)",
+    )
     a = p.parse_args(argv)
     die_with_parent()
     cfg = ProtocolConfig.from_env()
     layer = layer_index(cfg.layer, DEPTH, "RESIDENT_TRAINER_LAYER")
-    watch_layer = DEPTH - 1 if cfg.watch_layer is None else layer_index(cfg.watch_layer, DEPTH, "RESIDENT_TRAINER_WATCH_LAYER")
+    watch_layer = (
+        DEPTH - 1 if cfg.watch_layer is None else layer_index(cfg.watch_layer, DEPTH, "RESIDENT_TRAINER_WATCH_LAYER")
+    )
     if a.port is None:
         a.port = cfg.master_port
     fs = LocalFileSystem()
     if not admits(fs, cfg.state_dir, a.generation, a.token):
-        print(f"rank {a.rank}: generation {a.generation} token {a.token} is not current; refusing to run",
-              file=sys.stderr, flush=True)
+        print(
+            f"rank {a.rank}: generation {a.generation} token {a.token} is not current; refusing to run",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_REFUSED
     torch.set_num_threads(1)
     if cfg.host in ("127.0.0.1", "localhost", "::1"):
@@ -320,8 +358,13 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 
     store, listen_socket = _make_store(cfg, a.rank, a.world, a.port, a.generation, fs)
     t = cfg.timeouts
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=a.rank, world_size=a.world,
-                            timeout=datetime.timedelta(seconds=t.group))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("pg/", store),
+        rank=a.rank,
+        world_size=a.world,
+        timeout=datetime.timedelta(seconds=t.group),
+    )
     trainer_group = dist.new_group(list(range(a.world)), timeout=datetime.timedelta(seconds=t.exchange))
     kv = TorchKVStore(store)
     clock = MonotonicClock()
@@ -334,14 +377,26 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
         block = torch.frombuffer(bytearray(loaded[1]), dtype=torch.float32).reshape(DIM, DIM).clone()
     state = PairState(block, block_version(block))
     log = RecordLog(fs, cfg.receipts_dir, rank=a.rank, group=group, clock=clock)
-    monitor = BudgetMonitor(MemoryBudget(cfg.memory_floor, cfg.workspace_ceiling),
-                            system_sampler(lambda: DIM * DIM * 4 * 3))
-    ctx = RankContext(rank=a.rank, world=a.world, group=group, channel=TrainerChannel(kv, group=group, world=a.world),
-                      clock=clock, fs=fs, log=log, config=cfg, budget=monitor, checkpoints=ckpts)
+    monitor = BudgetMonitor(
+        MemoryBudget(cfg.memory_floor, cfg.workspace_ceiling), system_sampler(lambda: DIM * DIM * 4 * 3)
+    )
+    ctx = RankContext(
+        rank=a.rank,
+        world=a.world,
+        group=group,
+        channel=TrainerChannel(kv, group=group, world=a.world),
+        clock=clock,
+        fs=fs,
+        log=log,
+        config=cfg,
+        budget=monitor,
+        checkpoints=ckpts,
+    )
 
     def factory(spec: JobSpec, ctx: RankContext) -> PairBody:
-        return PairBody(model, state, spec, trainer_group, rank=a.rank, world=a.world, layer=layer,
-                        watch_layer=watch_layer)
+        return PairBody(
+            model, state, spec, trainer_group, rank=a.rank, world=a.world, layer=layer, watch_layer=watch_layer
+        )
 
     link = StoreServingLink(kv, group=group, rank=a.rank, world=a.world)
     stop = threading.Event()
@@ -372,8 +427,15 @@ class ProcessGroupControl:
     port: the store's port for every generation (0: a free one each time;
     None: RESIDENT_TRAINER_MASTER_PORT)."""
 
-    def __init__(self, *, world: int = 2, env: Mapping[str, str] | None = None, port: int | None = 0,
-                 start_timeout: float = 60.0, stop_grace: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        world: int = 2,
+        env: Mapping[str, str] | None = None,
+        port: int | None = 0,
+        start_timeout: float = 60.0,
+        stop_grace: float = 2.0,
+    ) -> None:
         if world < 2:
             raise ValueError(f"world must be at least 2, got {world}")
         self.world = world
@@ -388,8 +450,21 @@ class ProcessGroupControl:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def _spawn(self, rank: int, generation: int, token: int, port: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "resident_trainer.integrations.torchdist.pair", "--rank", str(rank), "--world", str(self.world),
-               "--generation", str(generation), "--token", str(token), "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "resident_trainer.integrations.torchdist.pair",
+            "--rank",
+            str(rank),
+            "--world",
+            str(self.world),
+            "--generation",
+            str(generation),
+            "--token",
+            str(token),
+            "--port",
+            str(port),
+        ]
         proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL)
         self.procs[proc.pid] = proc
         return proc

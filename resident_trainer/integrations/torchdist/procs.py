@@ -18,8 +18,8 @@ import datetime
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 @contextmanager
@@ -28,7 +28,10 @@ def gloo_worker(rank: int, world: int, init_method: str, *, timeout_s: float = 3
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world,
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     yield dist.group.WORLD

@@ -39,7 +39,9 @@ class TorchKVStore:
         self._use_clones = use_clones and hasattr(store, "clone")
         self._local = threading.local()
 
-    def _client(self):
+    def client(self):
+        """The torch store this thread talks through (its own clone of a
+        TCPStore, made on first use)."""
         if not self._use_clones:
             return self._root
         client = getattr(self._local, "client", None)
@@ -61,9 +63,12 @@ class TorchKVStore:
         except OSError as exc:
             raise StoreUnavailable(f"store server {host}:{port} is not accepting connections: {exc}") from None
 
-    def _call(self, what: str, fn: Callable):
+    def call(self, what: str, fn: Callable):
+        """``fn(client)`` on this thread's client, with torch's store errors
+        turned into StoreTimeout / StoreUnavailable (a broken client is
+        dropped and the next call reconnects)."""
         try:
-            return fn(self._client())
+            return fn(self.client())
         except StoreUnavailable:
             raise
         except (dist.DistError, RuntimeError) as exc:
@@ -72,27 +77,36 @@ class TorchKVStore:
                 self._local.client = None
             raise err from exc
 
+    @property
+    def store(self):
+        """The torch.distributed.Store this adapter was made over."""
+        return self._root
+
+    def keys(self) -> list[str]:
+        """Every key, sorted (tests; TCPStore and HashStore list their keys)."""
+        return sorted(self.call("list_keys", lambda c: c.list_keys()))
+
     def set(self, key: str, value: bytes) -> None:
         value = check_value(check_plain_key(key), value)
-        self._call(f"set({key!r})", lambda c: c.set(key, value))
+        self.call(f"set({key!r})", lambda c: c.set(key, value))
 
     def get(self, key: str) -> bytes | None:
         check_key(key)
-        got = self._call(f"get({key!r})", lambda c: c.compare_set(key, SENTINEL, SENTINEL))
+        got = self.call(f"get({key!r})", lambda c: c.compare_set(key, SENTINEL, SENTINEL))
         return None if got == SENTINEL else bytes(got)
 
     def create(self, key: str, value: bytes) -> bytes:
         value = check_value(check_plain_key(key), value)
-        return bytes(self._call(f"create({key!r})", lambda c: c.compare_set(key, b"", value)))
+        return bytes(self.call(f"create({key!r})", lambda c: c.compare_set(key, b"", value)))
 
     def delete(self, key: str) -> None:
         check_key(key)
         # FileStore answers True even for an absent key, so the result is not used.
-        self._call(f"delete({key!r})", lambda c: c.delete_key(key))
+        self.call(f"delete({key!r})", lambda c: c.delete_key(key))
 
     def add(self, key: str, amount: int) -> int:
         check_counter_key(key)
-        return int(self._call(f"add({key!r})", lambda c: c.add(key, int(amount))))
+        return int(self.call(f"add({key!r})", lambda c: c.add(key, int(amount))))
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         keys = [check_key(k) for k in keys]
@@ -100,7 +114,7 @@ class TorchKVStore:
             return True
         delta = datetime.timedelta(seconds=max(timeout, 0.001))
         try:
-            self._call("wait", lambda c: c.wait(keys, delta))
+            self.call("wait", lambda c: c.wait(keys, delta))
             return True
         except StoreTimeout:
             return False

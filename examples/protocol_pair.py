@@ -23,7 +23,8 @@ import tempfile
 import threading
 import time
 
-from resident_trainer.integrations.torchdist.pair import PairClient, ProcessGroupControl
+from resident_trainer.integrations.torchdist.client import PairClient
+from resident_trainer.integrations.torchdist.control import ProcessGroupControl
 from resident_trainer.protocol.clock import WallClock
 from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobSpec

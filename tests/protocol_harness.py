@@ -60,7 +60,7 @@ def run_pair(tmp_path, factories, specs, *, chats: int = 1, authority: str = "a"
     worker (rank 1) whose bodies come from factories[rank](spec, ctx), with
     `chats` chats waiting; returns once the worker has a receipt per
     authorised job, every chat is answered and the head is idle."""
-    from resident_trainer.integrations.torchdist.pair import drive
+    from resident_trainer.integrations.torchdist.drive import drive
 
     kv = TorchKVStore(dist.HashStore())
     fs = LocalFileSystem()

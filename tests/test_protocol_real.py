@@ -13,7 +13,10 @@ import time
 
 import pytest
 
-from resident_trainer.integrations.torchdist.pair import EXIT_LOST, PairClient, ProcessGroupControl, pid_alive
+from resident_trainer.integrations.torchdist.client import PairClient
+from resident_trainer.integrations.torchdist.control import ProcessGroupControl
+from resident_trainer.integrations.torchdist.pair import EXIT_LOST
+from resident_trainer.integrations.torchdist.procs import pid_alive
 from resident_trainer.protocol.checkpoint import CheckpointStore
 from resident_trainer.protocol.clock import WallClock
 from resident_trainer.protocol.config import ProtocolConfig

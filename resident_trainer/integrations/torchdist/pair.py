@@ -20,31 +20,28 @@ the model unchanged with ``resident_trainer.fingerprint_tensors``.
 
 Run a rank: ``python -m resident_trainer.integrations.torchdist.pair --rank R --world W
 --generation G --token T [--port P]``; `ProcessGroupControl` does this for
-recovery.
+recovery (control.py); `PairClient` (client.py) is the client side.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import hashlib
 import json
 import os
-import posixpath
 import signal
-import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from resident_trainer.integrations.torchdist.control import port_path
+from resident_trainer.integrations.torchdist.drive import drive
 from resident_trainer.integrations.torchdist.memory import system_sampler
-from resident_trainer.integrations.torchdist.procs import die_with_parent, exit_now, pid_alive
+from resident_trainer.integrations.torchdist.procs import die_with_parent, exit_now
 from resident_trainer.integrations.torchdist.store import TorchKVStore
 from resident_trainer.models.adapter import layer_index
 from resident_trainer.protocol.budget import BudgetMonitor, MemoryBudget
@@ -52,11 +49,11 @@ from resident_trainer.protocol.channel import TrainerChannel
 from resident_trainer.protocol.checkpoint import CheckpointStore
 from resident_trainer.protocol.clock import MonotonicClock
 from resident_trainer.protocol.config import ProtocolConfig
-from resident_trainer.protocol.errors import PeerLost, StoreError
+from resident_trainer.protocol.errors import PeerLost
 from resident_trainer.protocol.fs import LocalFileSystem
-from resident_trainer.protocol.job import JobKind, JobSpec, RankContext, Wake
+from resident_trainer.protocol.job import JobKind, JobSpec, RankContext
 from resident_trainer.protocol.records import RecordLog
-from resident_trainer.protocol.recovery import GroupState, admits
+from resident_trainer.protocol.recovery import admits
 from resident_trainer.protocol.server import HeadServer, WorkerServer
 from resident_trainer.protocol.serving import Chat, ServingOp, StoreServingLink
 from resident_trainer.protocol.store import KVStore
@@ -201,32 +198,6 @@ class MirrorBackend:
         self.executed += 1
 
 
-class PairClient:
-    """Talks to a running pair's head through the ``ctl/`` keys."""
-
-    def __init__(self, host: str, port: int, *, timeout: float = 10.0) -> None:
-        import torch.distributed as dist
-
-        self.store = dist.TCPStore(host, port, 1, False, timeout=datetime.timedelta(seconds=timeout))
-        self.kv = TorchKVStore(self.store)
-
-    def chat(self, tokens: int = 1) -> int:
-        i = self.kv.add("ctr/ctl/chats", 1) - 1
-        self.kv.set(f"ctl/chat/{i}", json.dumps({"tokens": tokens}).encode())
-        return i
-
-    def reply(self, chat: int, timeout: float) -> dict[str, Any]:
-        key = f"ctl/reply/{chat}"
-        if not self.kv.wait([key], timeout):
-            raise TimeoutError(f"no reply to chat {chat} within {timeout}s")
-        return json.loads(self.kv.get(key))
-
-    def submit(self, spec: JobSpec) -> None:
-        j = self.kv.add("ctr/ctl/jobs", 1) - 1
-        body = {**spec.public(), "authority": spec.authority}
-        self.kv.set(f"ctl/job/{j}", json.dumps(body).encode())
-
-
 class _JobIntake:
     def __init__(self, kv: KVStore, head: HeadServer) -> None:
         self.kv = kv
@@ -254,44 +225,6 @@ class _JobIntake:
                 print(f"resident-trainer pair: ignoring malformed job {d!r}: {exc}", file=sys.stderr, flush=True)
                 continue
             self.head.submit(spec)
-
-
-def drive(
-    server: HeadServer | WorkerServer,
-    kv: TorchKVStore,
-    clock: MonotonicClock,
-    stop: threading.Event,
-    poll: float,
-    before_tick: Callable[[], None] | None = None,
-    idle_keys: Callable[[], tuple[str, ...]] | None = None,
-) -> None:
-    """Run a serving loop until `stop` or until its group is lost: tick,
-    then block for at most `poll` on the keys the tick named (or, when it
-    named none, on `idle_keys()`: the head's next chat), or on `stop`."""
-    while not stop.is_set() and server.lost is None:
-        if before_tick is not None:
-            try:
-                before_tick()
-            except StoreError:
-                pass
-        wake: Wake = server.tick()
-        if server.lost is not None:
-            return
-        timeout = poll if wake.at is None else min(poll, wake.at - clock.now())
-        if timeout <= 0:
-            continue
-        keys = wake.keys or (idle_keys() if idle_keys is not None else ())
-        if keys:
-            try:
-                kv.wait(keys, timeout)
-                continue
-            except StoreError:
-                pass
-        stop.wait(timeout)
-
-
-def port_path(state_dir: str, generation: int) -> str:
-    return posixpath.join(state_dir, f"g{generation}.port")
 
 
 def _make_store(cfg: ProtocolConfig, rank: int, world: int, port: int, generation: int, fs: LocalFileSystem):
@@ -417,110 +350,6 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
         print(server.lost, file=sys.stderr, flush=True)
         return EXIT_LOST
     return 0
-
-
-class ProcessGroupControl:
-    """`GroupControl` for recovery: launches, probes and stops the ranks of
-    a pair as child processes of this one.
-
-    env: the environment of the ranks (the RESIDENT_TRAINER_* settings);
-    port: the store's port for every generation (0: a free one each time;
-    None: RESIDENT_TRAINER_MASTER_PORT)."""
-
-    def __init__(
-        self,
-        *,
-        world: int = 2,
-        env: Mapping[str, str] | None = None,
-        port: int | None = 0,
-        start_timeout: float = 60.0,
-        stop_grace: float = 2.0,
-    ) -> None:
-        if world < 2:
-            raise ValueError(f"world must be at least 2, got {world}")
-        self.world = world
-        self.env = dict(os.environ if env is None else env)
-        # The serving loop blocks in TCPStore.wait with short timeouts, and
-        # c10d logs a warning for every one that expires.
-        self.env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        self.cfg = ProtocolConfig.from_env(self.env)
-        self.port = self.cfg.master_port if port is None else port
-        self.start_timeout = start_timeout
-        self.stop_grace = stop_grace
-        self.procs: dict[int, subprocess.Popen] = {}
-
-    def _spawn(self, rank: int, generation: int, token: int, port: int) -> subprocess.Popen:
-        cmd = [
-            sys.executable,
-            "-m",
-            "resident_trainer.integrations.torchdist.pair",
-            "--rank",
-            str(rank),
-            "--world",
-            str(self.world),
-            "--generation",
-            str(generation),
-            "--token",
-            str(token),
-            "--port",
-            str(port),
-        ]
-        proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL)
-        self.procs[proc.pid] = proc
-        return proc
-
-    def alive(self, pid: int) -> bool:
-        proc = self.procs.get(pid)
-        if proc is not None:
-            return proc.poll() is None
-        return pid_alive(pid)
-
-    def healthy(self, state: GroupState) -> bool:
-        return len(state.pids) == self.world and all(self.alive(pid) for pid in state.pids)
-
-    def start(self, generation: int, token: int) -> tuple[int, tuple[int, ...]]:
-        fs = LocalFileSystem()
-        path = port_path(self.cfg.state_dir, generation)
-        fs.remove(path)
-        head = self._spawn(0, generation, token, self.port)
-        deadline = time.monotonic() + self.start_timeout
-        waiter = threading.Event()
-        while (raw := fs.read_bytes(path)) is None:
-            if head.poll() is not None:
-                raise RuntimeError(f"rank 0 of generation {generation} exited with {head.returncode} before listening")
-            if time.monotonic() > deadline:
-                self._kill([head.pid])
-                raise TimeoutError(f"rank 0 of generation {generation} did not listen within {self.start_timeout}s")
-            waiter.wait(0.01)
-        port = int(raw)
-        pids = [head.pid] + [self._spawn(r, generation, token, port).pid for r in range(1, self.world)]
-        return port, tuple(pids)
-
-    def _kill(self, pids: Sequence[int]) -> None:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in pids:
-            proc = self.procs.pop(pid, None)
-            if proc is not None:
-                proc.wait()
-
-    def stop(self, state: GroupState) -> None:
-        pids = [pid for pid in state.pids if self.alive(pid)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace
-        for pid in pids:
-            proc = self.procs.get(pid)
-            if proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(max(0.0, deadline - time.monotonic()))
-        self._kill([pid for pid in pids if self.alive(pid)] + [pid for pid in pids if pid in self.procs])
-
-    def close(self) -> None:
-        """Kill every process this control started (idempotent)."""
-        self._kill(list(self.procs))
 
 
 if __name__ == "__main__":

@@ -27,17 +27,7 @@ REQUIRED = (
     [
         f"fault:{f}"
         for f in (
-            "never_join",
-            "late_start",
-            "breach",
-            "stop",
-            "outage",
-            "corrupt",
-            "ckpt_crash",
-            "stall",
-            "stale_owner",
-            "hot_differ",
-            "hot_change",
+            *sim.FAULTS,
             "store_errors",
             "store_timeouts",
         )

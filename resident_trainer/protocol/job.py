@@ -481,6 +481,23 @@ class JobRun:
             **extra,
         )
 
+    def abandon_group(self, why: str) -> None:
+        """The rank lost its group mid-job: a `group_lost` receipt, and the
+        body's unpublished state dropped (recovery restarts the group)."""
+        self.ctx.log.receipt(
+            self.spec.name,
+            "group_lost",
+            serial=self.serial,
+            kind=self.spec.kind.value,
+            msg=self.msg,
+            boundary=self.boundary,
+            last=self.spec.last_seq,
+            reasons=[why],
+            steps=self.steps_done,
+        )
+        if self.body is not None:
+            self._body_call("discard", self.body.discard)
+
     def end_body(self) -> None:
         """Discard the body's state unless the job's outcome publishes it."""
         if self.body is not None and not (self.outcome and self.outcome.verdict is Verdict.PUBLISH):

@@ -262,18 +262,7 @@ class HeadServer:
                     # nothing can be coordinated any more; recovery restarts the group.
                     job, self.job = self.job, None
                     self.lost = str(exc)
-                    self.ctx.log.receipt(
-                        job.spec.name,
-                        "group_lost",
-                        serial=job.serial,
-                        kind=job.spec.kind.value,
-                        msg=job.msg,
-                        boundary=job.boundary,
-                        last=job.spec.last_seq,
-                        reasons=[str(exc)],
-                        steps=job.steps_done,
-                    )
-                    job._body_call("discard", job.body.discard)
+                    job.abandon_group(str(exc))
                     return Wake(None)
                 try:
                     self.flush()
@@ -426,18 +415,6 @@ class WorkerServer:
         job = self.job
         if job is not None:
             job.phase("group_lost", why=why)
-            self.ctx.log.receipt(
-                job.spec.name,
-                "group_lost",
-                serial=job.serial,
-                kind=job.spec.kind.value,
-                msg=job.msg,
-                boundary=job.boundary,
-                last=job.spec.last_seq,
-                reasons=[why],
-                steps=job.steps_done,
-            )
-            if job.body is not None:
-                job._body_call("discard", job.body.discard)
+            job.abandon_group(why)
         else:
             self.ctx.log.phase(None, "group_lost", why=why)

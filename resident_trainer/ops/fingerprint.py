@@ -244,6 +244,38 @@ def fingerprint_partial(shard: torch.Tensor, *, offset: int = 0, impl: str = "au
     return FingerprintPartial(l0, l1, byte_start, shard.numel() * shard.element_size())
 
 
+def fingerprint_pieces(pieces: Iterable[tuple[torch.Tensor, int]], *, impl: str = "auto") -> tuple[int, int]:
+    """The two lane sums of a set of pieces of one larger tensor, each piece
+    ``(t, offset)`` holding the elements [offset, offset + t.numel()) of it in
+    row-major order: e.g. the rows of a tensor-parallel column shard, each at
+    ``row * columns + first_column``. Pieces must not overlap; every
+    piece's byte offset must be a multiple of 4. Contiguous CPU pieces go to
+    the kernel in one call. Lanes of pieces (or of ranks) add up, mod 2^32."""
+    items = []
+    for i, (t, offset) in enumerate(pieces):
+        t = _check_tensor(t, f"pieces[{i}]")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"pieces[{i}]: offset must be a non-negative int (elements), got {offset!r}")
+        byte_start = offset * t.element_size()
+        if byte_start % 4:
+            raise ValueError(f"pieces[{i}]: offset {offset} is at byte {byte_start}, not a multiple of 4")
+        if t.numel():
+            items.append((t, byte_start))
+    l0 = l1 = 0
+    batch = [(t, b) for t, b in items if _resolve_impl(impl, t.device) == "cpu" and t.is_contiguous()]
+    if batch:
+        _ext.require_extension("fingerprint (impl='cpu')")
+        lanes = torch.ops.resident_trainer.fingerprint_lanes_many(
+            [t.reshape(-1).view(torch.uint8) for t, _ in batch], [b // 4 for _, b in batch]
+        )
+        l0, l1 = (int(v) for v in lanes.sum(0).tolist())
+    for t, b in items:
+        if not (_resolve_impl(impl, t.device) == "cpu" and t.is_contiguous()):
+            a0, a1 = _lanes(t, b, impl).tolist()
+            l0, l1 = l0 + a0, l1 + a1
+    return l0 & MASK32, l1 & MASK32
+
+
 def combine_partials(parts: Iterable[FingerprintPartial], shape: Iterable[int], dtype: torch.dtype) -> int:
     """Digest of the whole tensor (given shape and dtype) from partials that tile
     its bytes exactly once, in any order."""
@@ -365,7 +397,7 @@ def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, 
         # Contiguous CPU tensors go to the kernel in one call: one parallel
         # region for the whole model instead of a fork/join per small tensor.
         _ext.require_extension("fingerprint (impl='cpu')")
-        many = torch.ops.resident_trainer.fingerprint_lanes_many([d for _, d in batch], 0).tolist()
+        many = torch.ops.resident_trainer.fingerprint_lanes_many([d for _, d in batch], [0] * len(batch)).tolist()
         for (i, _), v in zip(batch, many):
             values[i] = v
     by_device: dict[torch.device, list[int]] = {}
@@ -377,4 +409,33 @@ def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, 
         for i, v in zip(idxs, torch.stack([lanes[i] for i in idxs]).cpu().tolist()):
             values[i] = v
     digests = {name: finalize(v[0], v[1], dt, shape) for (name, dt, shape), v in zip(metas, values)}
+    return FingerprintTable(digests, table_digest(digests))
+
+
+def fingerprint_sharded_tensors(
+    named: Mapping[str, tuple[Iterable[int], torch.dtype, Iterable[tuple[torch.Tensor, int]]]],
+    *,
+    process_group=None,
+    impl: str = "auto",
+) -> FingerprintTable:
+    """The table of whole-tensor digests of tensors spread over the ranks of
+    `process_group` in pieces: name -> (global shape, dtype, this rank's
+    pieces as ``(tensor, element offset)``). Every rank passes the same names
+    (a rank holding nothing of a tensor passes no pieces); lane sums are
+    all-reduced, never the data, and every rank gets the same table, equal to
+    ``fingerprint_tensors`` of the whole tensors."""
+    names = sorted(named)
+    lanes = torch.zeros(len(names), 2, dtype=torch.int64)
+    for i, name in enumerate(names):
+        _, _, pieces = named[name]
+        lanes[i] = torch.tensor(fingerprint_pieces(pieces, impl=impl), dtype=torch.int64)
+    if process_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(lanes, group=process_group)
+    values = (lanes & MASK32).tolist()
+    digests = {}
+    for name, (l0, l1) in zip(names, values):
+        shape, dtype, _ = named[name]
+        digests[name] = finalize(l0, l1, dtype, shape)
     return FingerprintTable(digests, table_digest(digests))

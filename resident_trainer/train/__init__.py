@@ -17,7 +17,14 @@ resident_trainer.models and knows nothing of a serving protocol).
 """
 
 from resident_trainer.train.block import AddedSharedNeurons
-from resident_trainer.train.checkpoint import CHECKPOINT_FORMAT, checkpoint_bytes, load_checkpoint, save_checkpoint
+from resident_trainer.train.checkpoint import (
+    CHECKPOINT_FORMAT,
+    checkpoint_bytes,
+    load_block,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 from resident_trainer.train.config import TrainConfig
 from resident_trainer.train.data import (
     ANCHOR_PROMPTS,
@@ -60,7 +67,9 @@ __all__ = [
     "full_graph_step",
     "generate_greedy",
     "generate_greedy_ids",
+    "load_block",
     "load_checkpoint",
+    "read_checkpoint",
     "make_anchors",
     "rewordings",
     "save_checkpoint",

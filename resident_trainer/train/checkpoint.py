@@ -58,27 +58,31 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
     write_atomic(os.path.abspath(os.fspath(path)), checkpoint_bytes(trainer))
 
 
-def load_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
-    """Restore the block, its optimizer state and the step counter. Refuses a
-    checkpoint made on another base model or another shard of the neurons."""
-    from safetensors import safe_open
+def read_checkpoint(data: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors, metadata) of checkpoint bytes; refuses anything that is not
+    a block checkpoint."""
+    from safetensors.torch import load
 
-    path = os.fspath(path)
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if len(data) < 8:
+        raise ValueError("not a safetensors checkpoint: fewer than 8 bytes")
+    n = int.from_bytes(data[:8], "little")
+    try:
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    except ValueError as exc:
+        raise ValueError(f"not a safetensors checkpoint: unreadable header ({exc})") from None
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint (format={meta.get('format')!r})")
-    if meta.get("base_fingerprint") != trainer.base_fingerprint.hex:
-        raise ValueError(
-            f"{path} was trained on a base model with fingerprint {meta.get('base_fingerprint')}, "
-            f"this one is {trainer.base_fingerprint.hex}"
-        )
-    block = trainer.block
+        raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format={meta.get('format')!r})")
+    return load(bytes(data)), meta
+
+
+def load_block(block, data: bytes) -> dict[str, str]:
+    """Put a checkpoint's block weights (trainable and published copies,
+    thresholds) into `block`, which must hold the same shard of the same
+    number of neurons; returns the checkpoint's metadata."""
+    tensors, meta = read_checkpoint(data)
     want = [block.neuron_start, block.neuron_stop, block.num_neurons]
     if json.loads(meta["neurons"]) != want:
-        raise ValueError(f"{path} holds neurons {json.loads(meta['neurons'])}, this rank has {want}")
-    dev = block.w_gate_up.device
+        raise ValueError(f"the checkpoint holds neurons {json.loads(meta['neurons'])}, this rank has {want}")
     with torch.no_grad():
         block.w_gate_up.copy_(tensors["w_gate_up"])
         block.w_down.copy_(tensors["w_down"])
@@ -86,6 +90,29 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
         block.published_down.copy_(tensors["published_down"])
     block.threshold = json.loads(meta["threshold"])
     block.published_threshold = json.loads(meta["published_threshold"])
+    return meta
+
+
+def load_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
+    """Restore the block, its optimizer state and the step counter. Refuses a
+    checkpoint made on another base model or another shard of the neurons."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        tensors, meta = read_checkpoint(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if meta.get("base_fingerprint") != trainer.base_fingerprint.hex:
+        raise ValueError(
+            f"{path} was trained on a base model with fingerprint {meta.get('base_fingerprint')}, "
+            f"this one is {trainer.base_fingerprint.hex}"
+        )
+    try:
+        load_block(trainer.block, data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    dev = trainer.block.w_gate_up.device
     state = trainer.optimizer.state_dict()
     restored: dict[int, dict[str, Tensor]] = {}
     for key, v in tensors.items():

@@ -6,6 +6,7 @@ resident_trainer.models and knows nothing of a serving protocol).
 |---|---|
 | `block` | `AddedSharedNeurons`: trainable and published weights, the forward hook, the exact no-op gate |
 | `data` | `Fact`, rewordings, anchor prompts, chat examples, microbatches |
+| `facts` | facts as users write them (FACTS.jsonl, a job's `facts`), checked with errors naming line and field |
 | `generate` | greedy generation, anchors from the base model's own replies |
 | `config` | `TrainConfig`: one job's settings |
 | `trainer` | `Trainer`: one microbatch step, the job loop, publish and discard |
@@ -36,6 +37,7 @@ from resident_trainer.train.data import (
     example_ids,
     rewordings,
 )
+from resident_trainer.train.facts import FactError, facts_to_json, parse_fact, parse_facts, read_facts
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
 from resident_trainer.train.generate import generate_greedy, generate_greedy_ids, make_anchors
 from resident_trainer.train.loss import StreamedCrossEntropy
@@ -49,6 +51,7 @@ __all__ = [
     "REWORD_TEMPLATES",
     "AddedSharedNeurons",
     "Fact",
+    "FactError",
     "FrozenFingerprint",
     "FrozenWeightsChanged",
     "LayerReplay",
@@ -64,6 +67,7 @@ __all__ = [
     "clip_grad_norm_",
     "collate",
     "example_ids",
+    "facts_to_json",
     "full_graph_step",
     "generate_greedy",
     "generate_greedy_ids",
@@ -71,6 +75,9 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint",
     "make_anchors",
+    "parse_fact",
+    "parse_facts",
+    "read_facts",
     "rewordings",
     "save_checkpoint",
     "shard_range",

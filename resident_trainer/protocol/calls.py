@@ -16,7 +16,7 @@ makes the next one, so it decides for all of them at each boundary.
 |---|---|---|
 | -1 (seal) | ``rt_begin(payload)`` | it has an error, or the ranks' base fingerprints differ |
 | 0 .. n-1 | ``rt_step(b)`` (after the checks) | it has an error (NaN loss, a failed collective), a budget breach |
-| n (verify) | ``rt_verify()`` | it has an error, or its fingerprint differs from before the job (then the engine restarts too) |
+| n (verify) | ``rt_verify()`` | it has an error, its fingerprint differs from before the job, or its own tensors changed (``local``; then the engine restarts too) |
 | n+1 (commit) | ``rt_checkpoint(root, group, serial)`` | it has an error (its shard was not written) |
 | - | ``rt_publish(version)`` | (after LAST_GOOD names the job; a failure here needs a restart) |
 
@@ -238,6 +238,12 @@ class CallJob:
             reasons = _rank_errors(results, "verify")
             prints = {r.get("fingerprint") for r in results}
             p.fingerprint_after = sorted(str(x) for x in prints)[0] if prints else None
+            # Each rank also checks its own copies (replicated tensors count
+            # once in the combined digest, every copy here).
+            local = [f"rank {r.get('rank', i)}: {m}" for i, r in enumerate(results) for m in (r.get("local") or ())]
+            if local:
+                self.needs_restart = True
+                reasons += local
             if not reasons and prints != {p.fingerprint_before}:
                 self.needs_restart = True
                 reasons.append(

@@ -176,40 +176,60 @@ class ServerControl:
                 self._kill(proc)
 
 
-def supervise(opts: ServeOptions, *, stop: threading.Event | None = None, probe: float = 1.0,
-              env: Mapping[str, str] | None = None, on_ready=None) -> int:  # fmt: skip
-    """Start the server and keep it up until `stop` (or SIGINT/SIGTERM)."""
-    control = ServerControl(opts, env=env)
-    cfg_env = control.env
-    lock = FencedLock(LocalFileSystem(), cfg_env["RESIDENT_TRAINER_STATE_DIR"], WallClock(), lease_seconds=900)
-    recovery = Recovery(lock, control, owner=f"serve-{os.getpid()}")
-    stop = stop or threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError):  # not the main thread
-            signal.signal(sig, lambda *_: stop.set())
-    try:
+class Supervisor:
+    """Keeps one server up: `start()` brings it up under the recovery lock,
+    `probe()` restarts it if it is down (returning the downtime), and
+    `run(stop)` probes once a second until `stop` is set."""
+
+    def __init__(self, opts: ServeOptions, *, env: Mapping[str, str] | None = None, log=None) -> None:
+        self.control = ServerControl(opts, env=env, log=log)
+        self.env = self.control.env
+        lock = FencedLock(LocalFileSystem(), self.env["RESIDENT_TRAINER_STATE_DIR"], WallClock(), lease_seconds=900)
+        self.recovery = Recovery(lock, self.control, owner=f"serve-{os.getpid()}-{id(self):x}")
+        self.url = self.control.url
+        self.restarts: list[float] = []  # seconds each restart took, from the failed probe
+
+    def start(self) -> float:
         t0 = time.monotonic()
-        res = recovery.run()
-        print(f"ready in {time.monotonic() - t0:.0f}s: {control.url}/v1 (generation {res.generation})", flush=True)
-        if on_ready is not None:
-            on_ready(control.url)
-        down_since = None
-        while not stop.wait(probe):
-            state = recovery.state()
-            if control.healthy(state):
-                continue
-            down_since = time.monotonic()
-            print("the server is down; restarting it under the recovery lock ...", flush=True)
-            res = recovery.run()
-            print(
-                f"back after {time.monotonic() - down_since:.1f}s (generation {res.generation}, {res.action})",
-                flush=True,
-            )
+        res = self.recovery.run()
+        took = time.monotonic() - t0
+        print(f"ready in {took:.0f}s: {self.url}/v1 (generation {res.generation})", flush=True)
+        return took
+
+    def probe(self) -> float | None:
+        """Restart the server if it is down; the seconds that took, or None."""
+        if self.control.healthy(self.recovery.state()):
+            return None
+        t0 = time.monotonic()
+        print("the server is down; restarting it under the recovery lock ...", flush=True)
+        res = self.recovery.run()
+        took = time.monotonic() - t0
+        self.restarts.append(took)
+        print(f"back after {took:.1f}s (generation {res.generation}, {res.action})", flush=True)
+        return took
+
+    def run(self, stop: threading.Event, interval: float = 1.0) -> None:
+        while not stop.wait(interval):
+            self.probe()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.control.stop(self.recovery.state())
+        self.control.close()
+
+
+def supervise(opts: ServeOptions, *, env: Mapping[str, str] | None = None) -> int:
+    """`resident-trainer serve`: start the server, keep it up until SIGINT/SIGTERM."""
+    sup = Supervisor(opts, env=env)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        sup.start()
+        sup.run(stop)
         return 0
     finally:
-        with contextlib.suppress(Exception):
-            control.stop(recovery.state())
-        control.close()
+        sup.close()
 
 
 def check_serve_args(model_dir: str, tp: int, num_neurons: int, layer: int | None) -> dict:

@@ -67,7 +67,7 @@ class _State:
     block: Any
     served: Any
     group: Any  # the trainer's own process group (gloo on CPUs)
-    cpu_group: Any  # gloo group for small host-side reductions (fingerprints)
+    cpu_group: Any  # gloo group for small host-side reductions (fingerprints, the step's go/no-go)
     tokenizer: Any
     monitor: Any
     rank: int
@@ -107,11 +107,17 @@ class ResidentWorker:
         if dist.is_initialized() and dist.get_world_size() != world:
             raise RuntimeError(f"only tensor parallelism is supported: {dist.get_world_size()} processes, TP {world}")
         timeout = datetime.timedelta(seconds=float(options.get("exchange_timeout", 60.0)))
-        group = None
+        # The trainer's own groups, never vLLM's: training traffic does not
+        # mix with serving collectives. One on the model's device (NCCL on
+        # GPUs) for the step, one gloo group for small host-side reductions.
+        group = cpu_group = None
         if world > 1:
-            backend = "nccl" if model.lm_head.weight.is_cuda else "gloo"
-            group = dist.new_group(list(range(world)), backend=backend, timeout=timeout)
-        cpu_group = tp.cpu_group if world > 1 else None
+            cpu_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+            group = (
+                dist.new_group(list(range(world)), backend="nccl", timeout=timeout)
+                if model.lm_head.weight.is_cuda
+                else cpu_group
+            )
         adapter = VllmAdapter(model, group, rank=rank, world=world)
         layer = model.rt_served_layer
         block = AddedSharedNeurons(
@@ -195,11 +201,20 @@ class ResidentWorker:
 
     @_guarded
     def rt_step(self, index: int) -> dict:
-        """Microbatch `index` of the open job (collectives on the trainer group)."""
+        """Microbatch `index` of the open job (collectives on the trainer
+        group). The ranks first agree whether any of them has a budget
+        breach latched: if one has, none steps (a rank stepping alone would
+        wait in a collective its peers never join) and each reports it."""
         st = self._st(job=True)
         breach = st.monitor.breach()
-        if breach:
-            return {"budget": f"rank {st.rank}: {breach}"}
+        if st.group is not None:
+            flag = torch.tensor([1 if breach else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=st.cpu_group)
+            stop = bool(flag.item())
+        else:
+            stop = breach is not None
+        if stop:
+            return {"budget": f"rank {st.rank}: {breach}" if breach else None, "skipped": True}
         metrics = st.trainer.step(index)
         breach = st.monitor.breach()
         return {**metrics, "budget": f"rank {st.rank}: {breach}" if breach else None}
@@ -208,11 +223,17 @@ class ResidentWorker:
     def rt_verify(self) -> dict:
         """The frozen base after the job: this rank's own tensors unchanged,
         and the whole checkpoint's fingerprint (the same on every rank)."""
+        from resident_trainer.train import FrozenWeightsChanged
+
         st = self._st(job=True)
-        st.trainer.check_base_unchanged()
+        try:
+            st.trainer.frozen.check(st.trainer.base_tables)
+            local = []
+        except FrozenWeightsChanged as exc:
+            local = [str(exc)]  # reported, not raised: the driver compares every rank's digest
         after = self._rt_checkpoint_table()
         changed = after.changed(st.job["fingerprint_before"])
-        return {"fingerprint": after.hex, "changed": changed[:8]}
+        return {"fingerprint": after.hex, "changed": changed[:8], "local": local}
 
     @_guarded
     def rt_checkpoint(self, root: str, group: str, serial: int) -> dict:

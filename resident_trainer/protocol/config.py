@@ -14,6 +14,7 @@
 | RESIDENT_TRAINER_WORKSPACE_CEILING | 2 GiB | abort when the job's private workspace exceeds this |
 | RESIDENT_TRAINER_HOTLOAD | 0 | 1 allows authorised hot-loads |
 | RESIDENT_TRAINER_TIMEOUT | 10 | seconds the head waits for every rank at a boundary |
+| RESIDENT_TRAINER_SERVE_SHARE | 1.0 | while chats are live, serve this many times the last microbatch's time between two microbatches (0: train back to back) |
 
 The layers are checked against the model by the job body that uses them
 (resident_trainer.models.layer_index): one outside the model is an error.
@@ -88,8 +89,15 @@ class ProtocolConfig:
     workspace_ceiling: int = 2 << 30
     hotload: bool = False
     timeouts: Timeouts = field(default_factory=Timeouts)
+    serve_share: float = 1.0
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.serve_share, bool)
+            or not isinstance(self.serve_share, (int, float))
+            or not self.serve_share >= 0
+        ):
+            raise ValueError(f"serve_share must be a number >= 0, got {self.serve_share!r}")
         if not isinstance(self.authority, str):
             raise TypeError(f"authority must be a str, got {type(self.authority).__name__}")
         for name in ("receipts_dir", "checkpoints_dir", "state_dir", "host"):
@@ -148,6 +156,11 @@ class ProtocolConfig:
             timeouts = Timeouts.scaled(exchange)
         else:
             timeouts = d.timeouts
+        raw_share = env.get(ENV_PREFIX + "SERVE_SHARE")
+        try:
+            share = float(raw_share) if raw_share else d.serve_share
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}SERVE_SHARE must be a number, got {raw_share!r}") from None
         port = integer("MASTER_PORT", d.master_port)
         if not 0 < port < 65536:
             raise ValueError(f"{ENV_PREFIX}MASTER_PORT must be in 1..65535, got {port}")
@@ -164,4 +177,5 @@ class ProtocolConfig:
             workspace_ceiling=integer("WORKSPACE_CEILING", d.workspace_ceiling),
             hotload=flag("HOTLOAD"),
             timeouts=timeouts,
+            serve_share=share,
         )

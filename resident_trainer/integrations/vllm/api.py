@@ -198,7 +198,13 @@ class ResidentEndpoints:
 
             return list(await asyncio.gather(*(one(p) for p in prompts)))
 
-        runner = JobRunner(call, world=world, config=config, shutdown=_shutdown, metrics=Metrics())
+        def chats_live() -> int:
+            # Our own anchor requests run only at start-up, before any job.
+            return int(engine_client.get_num_unfinished_requests())
+
+        runner = JobRunner(
+            call, world=world, config=config, shutdown=_shutdown, metrics=Metrics(), chats_live=chats_live
+        )
         tokenizer = engine_client.get_tokenizer()
         if hasattr(tokenizer, "__await__"):  # a coroutine in some vLLM releases
             tokenizer = await tokenizer

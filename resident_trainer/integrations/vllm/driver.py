@@ -130,6 +130,7 @@ class JobRecord:
             "fingerprint_after": p.fingerprint_after if p else None,
             "error": self.error,
             "version": self.version,
+            "step_seconds_max": round(max(self.times), 4) if self.times else None,
         }
 
 
@@ -151,8 +152,10 @@ class JobRunner:
         config: ProtocolConfig,
         shutdown: Callable[[str], None],
         metrics: Any = None,
+        chats_live: Callable[[], int] = lambda: 0,
     ) -> None:
         self.call, self.world, self.config, self.shutdown = call, world, config, shutdown
+        self.chats_live = chats_live
         self.metrics = metrics
         self.fs = LocalFileSystem()
         self.clock = MonotonicClock()
@@ -182,6 +185,7 @@ class JobRunner:
         restored = await self._all("rt_restore", self.config.checkpoints_dir)
         self.served_version = str(restored[0]["version"])
         self.log.phase(None, "started", fingerprint=self.info[0]["fingerprint"], served=self.served_version)
+        self._gauges()
         self.task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _anchors(self, generate, tokenizer) -> list[tuple[str, list[int]]]:
@@ -269,11 +273,13 @@ class JobRunner:
                     results = await self.call(c)
                 except Exception as exc:
                     raise EngineLost(f"{c.method}: {type(exc).__name__}: {exc}") from exc
-                if c.method == "rt_step":
-                    rec.times.append(time.perf_counter() - t0)
                 self._gauges()
-                # Serving runs between two calls (the engine's own steps);
-                # yielding here also lets the HTTP server answer.
+                if c.method == "rt_step":
+                    took = time.perf_counter() - t0
+                    rec.times.append(took)
+                    await self._serve_between(took)
+                # The engine serves between any two calls; yielding here also
+                # lets the HTTP server answer.
                 await asyncio.sleep(0)
                 c = gen.send(results)
         except StopIteration as stop:
@@ -291,6 +297,15 @@ class JobRunner:
             rec.error = "; ".join(outcome.reasons) or outcome.label
         if job.needs_restart:
             self._lose(f"job {rec.id}: the served base is damaged ({rec.error})")
+
+    async def _serve_between(self, step_seconds: float) -> None:
+        """While chats are live, leave the engine to them for serve_share x
+        the last microbatch's time (or until they finish): one call per
+        microbatch alone would let a chat decode one token per microbatch."""
+        budget = self.config.serve_share * step_seconds
+        t0 = time.perf_counter()
+        while budget > 0 and self.chats_live() and time.perf_counter() - t0 < budget:
+            await asyncio.sleep(min(0.02, budget))
 
     def _lose(self, why: str) -> None:
         self.lost = why

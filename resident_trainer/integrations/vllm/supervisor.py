@@ -61,7 +61,7 @@ def vllm_command(opts: ServeOptions) -> list[str]:
     settings = {"num_neurons": opts.num_neurons, "layer": opts.layer}
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", opts.model_dir,
+        "--model", os.path.abspath(opts.model_dir),
         "--served-model-name", Path(opts.model_dir).name,
         "--tensor-parallel-size", str(opts.tp),
         "--dtype", opts.dtype,
@@ -118,7 +118,7 @@ class ServerControl:
         self.ready_timeout = ready_timeout
         self.procs: dict[int, subprocess.Popen] = {}
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.server_log = Path(opts.state_dir) / "server.log"
+        self.server_log = Path(opts.state_dir).resolve() / "server.log"
 
     def alive(self, pid: int) -> bool:
         p = self.procs.get(pid)
@@ -132,9 +132,12 @@ class ServerControl:
         out = open(self.server_log, "ab")  # noqa: SIM115 (the child writes it for its life)
         out.write(f"\n=== generation {generation} (token {token}) ===\n".encode())
         out.flush()
+        # Run from the state directory: a working directory that is a source
+        # checkout would put its folders (triton_kernels/, a stale
+        # *.egg-info with old entry points) ahead of the installed package.
         proc = subprocess.Popen(
             vllm_command(self.opts), env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent, start_new_session=True,
+            preexec_fn=die_with_parent, start_new_session=True, cwd=self.server_log.parent,
         )  # fmt: skip
         out.close()
         self.procs[proc.pid] = proc

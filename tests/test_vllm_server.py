@@ -95,9 +95,7 @@ def test_openai_routes_and_jobs_api_in_one_app(server):
     status, models = http("GET", f"{url}/v1/models", auth=None)
     assert status == 200 and models["data"][0]["id"] == "smollm2-tp2"
     status, metrics = http("GET", f"{url}/metrics", auth=None)
-    assert status == 200 and 'resident_trainer_job_phase{phase="idle"} 1.0' in metrics, [
-        l for l in metrics.splitlines() if "resident" in l or "vllm:num_requests_running" in l
-    ]
+    assert status == 200 and 'resident_trainer_job_phase{phase="idle"} 1.0' in metrics
     status, trainer = http("GET", f"{url}/v1/trainer")
     assert status == 200 and trainer["served"] == "zero" and len(trainer["ranks"]) == 2
     assert chat(url, PROMPTS[0])

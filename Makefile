@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine with Python 3.11 and make:
 #   make test   create .venv, install torch (CPU build if none), build, run the tests
-#   make demo   fingerprint a real model's weights, then teach it four facts
+#   make demo   fingerprint a real model's weights, teach it four facts here, then
+#               serve it on two vLLM ranks and teach it the facts while it chats
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -49,6 +50,7 @@ test: lint build
 demo: build
 	$(PY) -m resident_trainer.cli demo
 	$(PY) -m resident_trainer.cli teach
+	$(PY) examples/serve_demo.py
 
 $(VENV)/.bench: $(VENV)/.deps requirements-bench.txt
 	$(PIP) install --no-deps -r requirements-bench.txt

@@ -84,8 +84,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summary(results: list[ChatResult]) -> dict:
-    """Failed requests and TTFT / ITL p50 and p99 (seconds) of a round."""
+def summary(results: list[ChatResult], seconds: float | None = None) -> dict:
+    """Failed requests and TTFT / ITL p50 and p99 (seconds) of some rounds;
+    tokens_per_s over `seconds` of wall time (default: the slowest request,
+    the wall time of a single round)."""
     ttft = [r.ttft for r in results if r.ttft is not None]
     itl = [x for r in results for x in r.itl]
     return {
@@ -96,6 +98,7 @@ def summary(results: list[ChatResult]) -> dict:
         "itl_p50": percentile(itl, 50),
         "itl_p99": percentile(itl, 99),
         "tokens": sum(r.tokens for r in results),
-        "tokens_per_s": sum(r.tokens for r in results) / max(max((r.seconds for r in results), default=0.0), 1e-9),
+        "tokens_per_s": sum(r.tokens for r in results)
+        / max(seconds if seconds is not None else max((r.seconds for r in results), default=0.0), 1e-9),
         "mean_ttft": statistics.fmean(ttft) if ttft else None,
     }

@@ -44,6 +44,7 @@ class ServedBlock(nn.Module):
         self.register_buffer("down", torch.zeros(hidden_size, num_neurons, **kw))
         self.register_buffer("threshold", torch.full((), float("-inf"), dtype=torch.float32, device=device))
         self.version = "zero"
+        self.zero = True  # nothing published yet: the block adds exactly nothing
 
     def delta(self, x: Tensor) -> Tensor:
         """The block's output for the feed-forward input x (..., D)."""
@@ -51,6 +52,11 @@ class ServedBlock(nn.Module):
         return added_expert(x, self.gate_up, None, self.down, token_mask=score > self.threshold)
 
     def hook(self, module: nn.Module, inputs, output):
+        # Eager serving skips a block that is still all zero. A compiled
+        # graph always holds the block (it is traced before anything is
+        # published, and its buffers change in place later).
+        if self.zero and not torch.compiler.is_compiling():
+            return output
         return output + self.delta(inputs[0]).to(output.dtype)
 
     @torch.no_grad()
@@ -60,6 +66,7 @@ class ServedBlock(nn.Module):
         self.down.copy_(down)
         self.threshold.fill_(float("-inf") if threshold is None else float(threshold))
         self.version = version
+        self.zero = not bool(self.down.any())
 
     def extra_repr(self) -> str:
         return f"num_neurons={self.num_neurons}, version={self.version}"

@@ -76,6 +76,7 @@ class _State:
     trainer: Any = None
     job: dict | None = None
     published: dict = field(default_factory=dict)
+    budget_interval: float = 0.05
 
 
 class ResidentWorker:
@@ -146,8 +147,8 @@ class ResidentWorker:
             MemoryBudget(int(options.get("memory_floor", 1 << 30)), int(options.get("workspace_ceiling", 2 << 30))),
             system_sampler(workspace, device),
         )
-        monitor.start(float(options.get("budget_interval", 0.05)))
         self._rt = _State(settings, adapter, block, served, group, cpu_group, tokenizer, monitor, rank, world)
+        self._rt.budget_interval = float(options.get("budget_interval", 0.05))
         self._rt.base = self._rt_checkpoint_table()
         return {
             "layer": layer,
@@ -192,7 +193,10 @@ class ResidentWorker:
             process_group=st.group,
             vocab_start=start,
         )
+        # The budget is sampled while a job runs (a thread sampling all the
+        # time would take the interpreter from serving).
         st.monitor.reset()
+        st.monitor.start(st.budget_interval)
         st.trainer = Trainer(st.adapter, st.block, st.tokenizer, facts, config, anchors=anchors, loss_fn=loss_fn)
         st.job = dict(job)
         before = self._rt_checkpoint_table()
@@ -255,7 +259,7 @@ class ResidentWorker:
         st = self._st(job=True)
         st.trainer.publish()
         self._rt_serve_published(version)
-        st.trainer, st.job = None, None
+        self._rt_end_job()
         return {"version": version, "threshold": st.block.published_threshold}
 
     @_guarded
@@ -264,8 +268,13 @@ class ResidentWorker:
         st = self._st()
         if st.trainer is not None:
             st.trainer.discard()
-        st.trainer, st.job = None, None
+        self._rt_end_job()
         return {}
+
+    def _rt_end_job(self) -> None:
+        st = self._rt
+        st.monitor.stop()
+        st.trainer, st.job = None, None
 
     # --- what is served ---------------------------------------------------------------
 

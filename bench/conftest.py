@@ -7,11 +7,30 @@ ratios are taken against), and "bytes" or "flops" for the throughput column.
 """
 
 import os
+import platform
+import subprocess
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def machine() -> str:
+    """The CPU model (lscpu's model name), its cores, and torch's threads."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = next(
+            (line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), model
+        )
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
+
+
+def pytest_report_header(config):
+    return f"machine: {machine()}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -23,6 +42,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         groups.setdefault(b.group or b.name, []).append(b)
     tr = terminalreporter
     tr.section("ratios to the reference, measured in this run (median; lower time is better)")
+    tr.write_line(f"machine: {machine()}")
     for group, benches in groups.items():
         ref = next((b for b in benches if b.extra_info.get("reference")), None)
         tr.write_line(f"\n{group}")

@@ -54,6 +54,7 @@ class ServeOptions:
     max_model_len: int = 2048
     kv_cache_gib: int = 1
     state_dir: str = "runs/serve"
+    plugin: bool = True  # False: plain vLLM, the same command without the trainer (benchmarks)
 
 
 def vllm_command(opts: ServeOptions) -> list[str]:
@@ -68,10 +69,10 @@ def vllm_command(opts: ServeOptions) -> list[str]:
         "--host", opts.host,
         "--port", str(opts.port),
         "--max-model-len", str(opts.max_model_len),
-        "--worker-extension-cls", WORKER_EXTENSION,
-        "--additional-config", json.dumps({PLUGIN_NAME: settings}),
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
+    if opts.plugin:
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION, "--additional-config", json.dumps({PLUGIN_NAME: settings})]
     if not opts.compiled:
         cmd.append("--enforce-eager")
     return cmd
@@ -83,7 +84,8 @@ def vllm_environment(opts: ServeOptions, base: Mapping[str, str] | None = None) 
     a small KV cache, and the RESIDENT_TRAINER_* settings passed through with
     defaults under the state directory."""
     env = dict(os.environ if base is None else base)
-    env["VLLM_PLUGINS"] = PLUGIN_NAME
+    # An allowlist: ours when the trainer is on; one that names no plugin when it is off.
+    env["VLLM_PLUGINS"] = PLUGIN_NAME if opts.plugin else "-"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.kv_cache_gib))
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     per = max(1, len(cpus) // opts.tp)

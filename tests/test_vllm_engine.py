@@ -16,15 +16,23 @@ fp32, eager), driven in process through vLLM's LLM class and collective_rpc:
 from __future__ import annotations
 
 import pytest
-import torch
-from vllm_harness import AUTHORITY, FACTS, PROMPTS, greedy, llm_engine, needs_vllm, rpc, smollm2_dir
+from vllm_harness import (
+    FACTS,
+    PROMPTS,
+    call_job,
+    calls_on,
+    first_microbatch_errors,
+    llm_engine,
+    needs_vllm,
+    rpc,
+    served_and_hugging_face_replies,
+    smollm2_dir,
+)
 
-from resident_trainer.protocol.calls import CallJob, drive
+from resident_trainer.protocol.calls import drive
 from resident_trainer.protocol.checkpoint import CheckpointStore
-from resident_trainer.protocol.clock import MonotonicClock
 from resident_trainer.protocol.fs import LocalFileSystem
-from resident_trainer.protocol.job import JobSpec, Verdict
-from resident_trainer.protocol.records import RecordLog
+from resident_trainer.protocol.job import Verdict
 
 pytestmark = [needs_vllm, pytest.mark.vllm]
 
@@ -62,12 +70,6 @@ def engine(model_dir, plain_serving):
         yield llm
 
 
-def _anchors(llm, n=4):
-    from resident_trainer.train import ANCHOR_PROMPTS
-
-    return [(p, ids) for p, (_, ids) in zip(ANCHOR_PROMPTS[:n], greedy(llm, ANCHOR_PROMPTS[:n], 24))]
-
-
 def test_a_zero_block_serves_exactly_what_plain_vllm_serves(engine, plain_serving):
     got = _with_logprobs(engine, PROMPTS + [f["question"] for f in FACTS])
     assert got == plain_serving  # token ids and their logprobs, bit for bit
@@ -86,89 +88,22 @@ def test_the_served_fingerprint_is_the_checkpoint_files_and_nothing_is_copied(en
 
 
 def test_first_microbatch_equals_the_one_process_trainer(engine, model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from resident_trainer.models import DecoderAdapter
-    from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer
-
-    anchors = _anchors(engine)
-    job = {"id": "exact", "facts": FACTS, "anchors": anchors, "settings": SETTINGS}
-    rpc(engine, "rt_begin", job)
-    (step0,) = {r["loss"] for r in rpc(engine, "rt_step", 0)}
-    grads = rpc(engine, "rt_probe_grads")
-    rpc(engine, "rt_discard")
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.requires_grad_(False)
-    a = DecoderAdapter(hf)
-    cfg = TrainConfig(num_neurons=NEURONS, **SETTINGS)
-    block = AddedSharedNeurons(a.hidden_size, NEURONS, seed=cfg.seed)
-    block.attach(a, cfg.layer)
-    tr = Trainer(a, block, AutoTokenizer.from_pretrained(model_dir), [Fact(f["question"], f["answer"]) for f in FACTS],
-                 cfg, anchors=anchors)  # fmt: skip
-    want = tr.step(0)
-    # Both ranks report the same global loss; fp32 sums in another order:
-    # measured 8.4e-8 relative.
-    assert abs(step0 - want["loss"]) <= 1e-6 * abs(want["loss"])
-    gu, dn = block.w_gate_up.grad, block.w_down.grad
-    for g in grads:
-        s0, s1 = g["neurons"]
-        want_gu = torch.cat([gu[s0:s1], gu[NEURONS + s0 : NEURONS + s1]])
-        want_d = dn[:, s0:s1]
-        # Measured at TP 2: 3.2e-7 (gate/up) and 5.1e-6 (down) of the largest
-        # entry (the TP all-reduces and the vocabulary split reorder sums);
-        # the bound leaves 4x.
-        assert want_gu.abs().max() > 0 and want_d.abs().max() > 0
-        assert (torch.tensor(g["gate_up"]) - want_gu).abs().max() <= 2e-5 * want_gu.abs().max()
-        assert (torch.tensor(g["down"]) - want_d).abs().max() <= 2e-5 * want_d.abs().max()
+    # Measured at TP 2: loss 8.4e-8 relative; gradients 3.2e-7 (gate/up) and
+    # 5.1e-6 (down) of the largest entry (the TP all-reduces and the
+    # vocabulary split reorder sums).
+    errors = first_microbatch_errors(engine, model_dir, NEURONS, SETTINGS)
+    assert errors["loss"] <= 1e-6
+    assert errors["gate_up"] <= 2e-5 and errors["down"] <= 2e-5, errors
 
 
 def _call_job(engine, tmp_path, name, **kw):
-    fs = LocalFileSystem()
-    spec = JobSpec(name, steps=SETTINGS["steps"], root=str(tmp_path / name), authority=AUTHORITY)
-    payload = {"id": name, "facts": FACTS, "anchors": _anchors(engine), "settings": SETTINGS}
-    return CallJob(spec, payload, world=TP, authority=AUTHORITY, fs=fs, clock=MonotonicClock(),
-                   log=RecordLog(fs, str(tmp_path / "receipts"), rank=0, group="t", clock=MonotonicClock()),
-                   checkpoints=CheckpointStore(fs, str(tmp_path / "ckpt")), group="t", serial=kw.pop("serial", 1),
-                   version=name, **kw)  # fmt: skip
-
-
-def _calls(engine, hook=None):
-    def call(c):
-        results = engine.collective_rpc(c.method, args=c.args)
-        if hook is not None:
-            hook(c)
-        return results
-
-    return call
+    return call_job(engine, tmp_path, name, SETTINGS, world=TP, **kw)
 
 
 def test_published_block_serves_what_hugging_face_serves_with_it(engine, model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from resident_trainer.models import DecoderAdapter
-    from resident_trainer.train import AddedSharedNeurons, generate_greedy_ids
-
-    out = drive(_call_job(engine, tmp_path, "publish"), _calls(engine))
+    out = drive(_call_job(engine, tmp_path, "publish"), calls_on(engine))
     assert out.verdict is Verdict.PUBLISH, out.reasons
-    shards = rpc(engine, "rt_probe_published")
-    served = [(s["served_gate_up"], s["served_down"], s["served_threshold"]) for s in shards]
-    assert all(x == served[0] for x in served)  # every rank serves the same whole block
-    assert sum(abs(v) for row in served[0][1] for v in row) > 0
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.requires_grad_(False)
-    a = DecoderAdapter(hf)
-    block = AddedSharedNeurons(a.hidden_size, NEURONS)
-    with torch.no_grad():
-        block.published_gate_up.copy_(torch.tensor(served[0][0]))
-        block.published_down.copy_(torch.tensor(served[0][1]))
-    block.published_threshold = shards[0]["threshold"]
-    block.attach(a, None)  # the middle layer, as the server's block
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [f["question"] for f in FACTS] + PROMPTS
-    want = [generate_greedy_ids(hf, tok, p, 24) for p in prompts]
-    got = [ids for _, ids in greedy(engine, prompts, 24)]
+    got, want = served_and_hugging_face_replies(engine, model_dir, NEURONS, [f["question"] for f in FACTS] + PROMPTS)
     assert got == want
 
 
@@ -177,7 +112,7 @@ def test_budget_breach_on_one_rank_aborts_the_job_on_every_rank(engine, tmp_path
     rpc(engine, "rt_probe_ceiling", 1, 1)  # rank 1: a ceiling of one byte
     try:
         made = []
-        out = drive(_call_job(engine, tmp_path, "breach", serial=2), _calls(engine, lambda c: made.append(c.method)))
+        out = drive(_call_job(engine, tmp_path, "breach", serial=2), calls_on(engine, lambda c: made.append(c.method)))
     finally:
         rpc(engine, "rt_probe_ceiling", 1, 2 << 30)
     assert out.verdict is Verdict.ABORT and out.boundary == 1, out
@@ -194,7 +129,7 @@ def test_a_changed_base_fails_the_job_and_asks_for_a_restart(engine, tmp_path):
 
     job = _call_job(engine, tmp_path, "corrupt", serial=3)
     try:
-        out = drive(job, _calls(engine, corrupt_after_first_step))
+        out = drive(job, calls_on(engine, corrupt_after_first_step))
     finally:
         rpc(engine, "rt_probe_corrupt", 1)  # the same bit flipped back
     assert out.verdict is Verdict.ABORT and out.boundary == SETTINGS["steps"], out

@@ -102,3 +102,142 @@ def rpc(llm, method: str, *args) -> list[dict]:
     errors = [r["error"] for r in results if r.get("error")]
     assert not errors, errors
     return results
+
+
+def toy_moe_dir(root: Path, arch: str) -> str:
+    """A tiny random-weight MoE checkpoint vLLM's CPU backend serves at TP 2
+    (Qwen2-MoE with a gated shared expert, or Mixtral): 4 layers, hidden 128,
+    2 heads of 64, 4 experts (top 2), SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen2MoeConfig
+
+    from resident_trainer.models.smollm2 import find_smollm2_gguf
+
+    out = root / f"toy-{arch}"
+    if (out / "config.json").exists():
+        return str(out)
+    path = find_smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    common = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+                  tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id)  # fmt: skip
+    if arch == "qwen2_moe":
+        config = Qwen2MoeConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    elif arch == "mixtral":
+        config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        raise ValueError(f"arch must be qwen2_moe or mixtral, got {arch!r}")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def anchors_of(llm, n: int = 4) -> list:
+    """(prompt, served greedy ids) of the first n anchor prompts."""
+    from resident_trainer.train import ANCHOR_PROMPTS
+
+    return [(p, ids) for p, (_, ids) in zip(ANCHOR_PROMPTS[:n], greedy(llm, ANCHOR_PROMPTS[:n], 24))]
+
+
+def _hf_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.requires_grad_(False)
+    return hf, AutoTokenizer.from_pretrained(model_dir)
+
+
+def first_microbatch_errors(llm, model_dir: str, neurons: int, settings: dict, facts=FACTS) -> dict[str, float]:
+    """Run a job's first microbatch through vLLM (every rank) and through the
+    one-process Hugging Face trainer on the same batch; the loss's relative
+    error and each rank's gradient shards' largest error relative to the
+    largest entry (the worst rank)."""
+    import torch
+
+    from resident_trainer.models import DecoderAdapter
+    from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer
+
+    anchors = anchors_of(llm)
+    rpc(llm, "rt_begin", {"id": "exact", "facts": facts, "anchors": anchors, "settings": settings})
+    (step0,) = {r["loss"] for r in rpc(llm, "rt_step", 0)}  # every rank reports the same global loss
+    grads = rpc(llm, "rt_probe_grads")
+    rpc(llm, "rt_discard")
+
+    hf, tok = _hf_model(model_dir)
+    a = DecoderAdapter(hf)
+    cfg = TrainConfig(num_neurons=neurons, **settings)
+    block = AddedSharedNeurons(a.hidden_size, neurons, seed=cfg.seed)
+    block.attach(a, cfg.layer)
+    tr = Trainer(a, block, tok, [Fact(f["question"], f["answer"]) for f in facts], cfg, anchors=anchors)
+    want = tr.step(0)
+    gu, dn = block.w_gate_up.grad, block.w_down.grad
+    out = {"loss": abs(step0 - want["loss"]) / abs(want["loss"]), "gate_up": 0.0, "down": 0.0}
+    for g in grads:
+        s0, s1 = g["neurons"]
+        want_gu = torch.cat([gu[s0:s1], gu[neurons + s0 : neurons + s1]])
+        want_d = dn[:, s0:s1]
+        assert want_gu.abs().max() > 0 and want_d.abs().max() > 0  # a zero gradient would compare trivially
+        err_gu = float((torch.tensor(g["gate_up"]) - want_gu).abs().max() / want_gu.abs().max())
+        err_d = float((torch.tensor(g["down"]) - want_d).abs().max() / want_d.abs().max())
+        out["gate_up"], out["down"] = max(out["gate_up"], err_gu), max(out["down"], err_d)
+    return out
+
+
+def served_and_hugging_face_replies(llm, model_dir: str, neurons: int, prompts: list[str], max_tokens: int = 24):
+    """After a publish: vLLM's greedy reply ids, and the Hugging Face model's
+    with the block every rank serves attached at the same (middle) layer."""
+    import torch
+
+    from resident_trainer.models import DecoderAdapter
+    from resident_trainer.train import AddedSharedNeurons, generate_greedy_ids
+
+    shards = rpc(llm, "rt_probe_published")
+    served = [(s["served_gate_up"], s["served_down"], s["served_threshold"]) for s in shards]
+    assert all(x == served[0] for x in served)  # every rank serves the same whole block
+    assert sum(abs(v) for row in served[0][1] for v in row) > 0  # and it is not zero
+
+    hf, tok = _hf_model(model_dir)
+    a = DecoderAdapter(hf)
+    block = AddedSharedNeurons(a.hidden_size, neurons)
+    with torch.no_grad():
+        block.published_gate_up.copy_(torch.tensor(served[0][0]))
+        block.published_down.copy_(torch.tensor(served[0][1]))
+    block.published_threshold = shards[0]["threshold"]
+    block.attach(a, None)  # the middle layer, as the server's block
+    want = [generate_greedy_ids(hf, tok, p, max_tokens) for p in prompts]
+    got = [ids for _, ids in greedy(llm, prompts, max_tokens)]
+    return got, want
+
+
+def call_job(llm, tmp_path: Path, name: str, settings: dict, *, world: int, facts=FACTS, **kw):
+    """A CallJob teaching `facts` with its receipts and checkpoints under tmp_path."""
+    from resident_trainer.protocol.calls import CallJob
+    from resident_trainer.protocol.checkpoint import CheckpointStore
+    from resident_trainer.protocol.clock import MonotonicClock
+    from resident_trainer.protocol.fs import LocalFileSystem
+    from resident_trainer.protocol.job import JobSpec
+    from resident_trainer.protocol.records import RecordLog
+
+    fs = LocalFileSystem()
+    spec = JobSpec(name, steps=settings["steps"], root=str(tmp_path / name), authority=AUTHORITY)
+    payload = {"id": name, "facts": facts, "anchors": anchors_of(llm), "settings": settings}
+    return CallJob(spec, payload, world=world, authority=AUTHORITY, fs=fs, clock=MonotonicClock(),
+                   log=RecordLog(fs, str(tmp_path / "receipts"), rank=0, group="t", clock=MonotonicClock()),
+                   checkpoints=CheckpointStore(fs, str(tmp_path / "ckpt")), group="t", serial=kw.pop("serial", 1),
+                   version=name, **kw)  # fmt: skip
+
+
+def calls_on(llm, hook=None):
+    """A CallJob's call function: one collective_rpc per call, then `hook(call)`."""
+
+    def call(c):
+        results = llm.collective_rpc(c.method, args=c.args)
+        if hook is not None:
+            hook(c)
+        return results
+
+    return call

@@ -39,10 +39,11 @@ class ProbeWorker(ResidentWorker):
         st = self._st()
         model = self.model_runner.model
         own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        own |= {
-            m.rt_weight.untyped_storage().data_ptr()
+        own |= {  # the plain tensors the plugin kept (rt_weight, rt_w13_weight, ...)
+            v.untyped_storage().data_ptr()
             for m in model.modules()
-            if getattr(m, "rt_weight", None) is not None
+            for k, v in vars(m).items()
+            if k.startswith("rt_") and isinstance(v, torch.Tensor)
         }
         frozen = st.adapter.frozen_tensors()
         return {

@@ -40,18 +40,24 @@ from resident_trainer.models.adapter import LayerContext, layer_index
 from resident_trainer.ops.collectives import copy_to_ranks, sum_over_ranks
 
 
-def linear_weight(layer: nn.Module) -> Tensor:
-    """The plain (out, in) weight of a vLLM linear layer: the reference the
-    plugin kept before CPU packing, else the layer's own parameter."""
-    w = getattr(layer, "rt_weight", None)
-    if w is None:
-        w = layer.weight
-    if w.numel() == 0:
+def kept(module: nn.Module, name: str = "weight") -> Tensor:
+    """The plain tensor ``name`` of a vLLM module as it was loaded: the
+    reference the plugin kept (``rt_<name>``) when vLLM repacked it for the
+    CPU, else the module's own parameter."""
+    t = getattr(module, f"rt_{name}", None)
+    if t is None:
+        t = getattr(module, name)
+    if t.numel() == 0:
         raise RuntimeError(
-            f"{type(layer).__name__} has no plain weight left (vLLM packed it for the CPU and dropped it); "
+            f"{type(module).__name__}.{name} has no plain tensor left (vLLM packed it for the CPU and dropped it); "
             "serve with the resident_trainer plugin enabled so it keeps a reference"
         )
-    return w
+    return t
+
+
+def linear_weight(layer: nn.Module) -> Tensor:
+    """The plain (out, in) weight of a vLLM linear layer."""
+    return kept(layer, "weight")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -69,6 +75,14 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x_rot.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
+
+
+# vLLM class names of the decoder layouts this adapter recomputes, and the
+# attribute of each one's feed-forward block where it is not ``mlp``.
+DENSE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
+MOE_LAYERS = ("Qwen2MoeDecoderLayer", "MixtralDecoderLayer")
+SUPPORTED_LAYERS = DENSE_LAYERS + MOE_LAYERS
+FFN_ATTRIBUTE = {"MixtralDecoderLayer": "block_sparse_moe"}
 
 
 class _Attention:
@@ -131,14 +145,92 @@ class DenseFFN(nn.Module):
         return out
 
 
+class MoEFFN(nn.Module):
+    """A top-k mixture of SwiGLU experts (vLLM's fused MoE, each expert's
+    intermediate dimension split over the ranks) with Qwen2-MoE's optional
+    gated shared expert, recomputed from the shards. Routing as Hugging Face
+    and vLLM do it for these models: softmax over the router logits in fp32,
+    the top k, renormalised when the model says so."""
+
+    def __init__(self, block: nn.Module, group) -> None:
+        super().__init__()
+        experts = getattr(block.experts, "routed_experts", block.experts)
+        unsupported = {
+            "scoring_func": getattr(experts, "scoring_func", "softmax") != "softmax",
+            "use_grouped_topk": bool(getattr(experts, "use_grouped_topk", False)),
+            "e_score_correction_bias": getattr(experts, "e_score_correction_bias", None) is not None,
+            "custom_routing_function": getattr(experts, "custom_routing_function", None) is not None,
+            "apply_router_weight_on_input": bool(getattr(experts, "apply_router_weight_on_input", False)),
+            "routed_scaling_factor": float(getattr(experts, "routed_scaling_factor", 1.0)) != 1.0,
+            "expert parallelism": int(experts.local_num_experts) != int(experts.global_num_experts),
+            "biased experts": getattr(experts, "w13_bias", None) is not None,
+        }
+        bad = sorted(k for k, v in unsupported.items() if v)
+        if bad:
+            raise TypeError(f"{experts.layer_name}: MoE routing with {bad} is not supported by the vLLM adapter")
+        act = str(getattr(experts, "activation", "silu")).lower()
+        if "silu" not in act:
+            raise TypeError(f"{experts.layer_name}: expert activation {act} is not supported (SwiGLU only)")
+        self.block, self.experts, self.group = block, experts, group
+        self.top_k, self.renormalize = int(experts.top_k), bool(experts.renormalize)
+        self.inter = int(experts.intermediate_size_per_partition)
+        self.shared = getattr(block, "shared_expert", None)
+        self.shared_gate = getattr(block, "shared_expert_gate", None) if self.shared is not None else None
+
+    def expert_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's (gate (E, I, D), up (E, I, D), down (E, D, I)) views
+        of the loaded expert weights, without vLLM's CPU padding."""
+        w13, w2 = kept(self.experts, "w13_weight"), kept(self.experts, "w2_weight")
+        i, half = self.inter, w13.shape[1] // 2
+        return w13[:, :i], w13[:, half : half + i], w2[:, :, :i]
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.group is not None:
+            x = copy_to_ranks(x, self.group)
+        logits = F.linear(x, linear_weight(self.block.gate))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        gate, up, down = self.expert_weights()
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            tok, pos = torch.where(chosen == e)
+            xe = x[tok]
+            h = F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e])
+            out = out.index_add(0, tok, F.linear(h, down[e]) * weights[tok, pos, None])
+        if self.shared is not None:
+            gu = F.linear(x, linear_weight(self.shared.gate_up_proj))
+            g, u = gu.chunk(2, dim=-1)
+            sh = F.linear(F.silu(g) * u, linear_weight(self.shared.down_proj))
+            if self.shared_gate is not None:
+                sh = torch.sigmoid(F.linear(x, linear_weight(self.shared_gate))) * sh
+            out = out + sh
+        if self.group is not None:
+            out = sum_over_ranks(out, self.group)
+        return out.reshape(shape)
+
+
+def ffn_module(layer: nn.Module) -> nn.Module:
+    """The feed-forward module of a vLLM decoder layer (its output, already
+    reduced over the TP ranks, is added to the residual stream): Mixtral's is
+    ``block_sparse_moe``, the others' ``mlp``."""
+    return getattr(layer, FFN_ATTRIBUTE.get(type(layer).__name__, "mlp"))
+
+
+def ffn_recompute(layer: nn.Module, group) -> nn.Module:
+    """The functional recomputation of a decoder layer's feed-forward block."""
+    module = ffn_module(layer)
+    return MoEFFN(module, group) if hasattr(module, "experts") else DenseFFN(module, group)
+
+
 @dataclass
 class VllmLayerContext(LayerContext):
     """The layer context: an SDPA boolean mask (B, 1, T, T) that is causal and
     hides right padding, and the positions."""
-
-
-# vLLM class names of the decoder layouts this adapter recomputes.
-DENSE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
 
 
 class VllmAdapter:
@@ -154,9 +246,11 @@ class VllmAdapter:
         layers = getattr(inner, "layers", None)
         if inner is None or layers is None or not hasattr(model, "lm_head"):
             raise TypeError(f"{type(model).__name__} does not have the decoder layout (model.model.layers, lm_head)")
-        kinds = sorted({type(layer).__name__ for layer in layers} - set(DENSE_LAYERS))
+        kinds = sorted({type(layer).__name__ for layer in layers} - set(SUPPORTED_LAYERS))
         if kinds:
-            raise TypeError(f"decoder layers {kinds} are not supported by the vLLM adapter (supported: {DENSE_LAYERS})")
+            raise TypeError(
+                f"decoder layers {kinds} are not supported by the vLLM adapter (supported: {SUPPORTED_LAYERS})"
+            )
         self.model = model
         self.config = model.config
         self.group = group if world > 1 else None
@@ -166,7 +260,7 @@ class VllmAdapter:
         self.final_norm = inner.norm
         self.lm_head = model.lm_head
         self._attn = [_Attention(layer.self_attn, self.group) for layer in layers]
-        self._ffn = nn.ModuleList(DenseFFN(layer.mlp, self.group) for layer in layers)
+        self._ffn = nn.ModuleList(ffn_recompute(layer, self.group) for layer in layers)
         self.eps = float(self.config.rms_norm_eps)
 
     # --- the DecoderAdapter interface -------------------------------------------
@@ -253,13 +347,14 @@ class VllmAdapter:
 
     def frozen_tensors(self) -> dict[str, Tensor]:
         """Every base tensor this rank's replay reads (its shards), by vLLM
-        parameter name; the CPU-packed linears by their kept plain weights."""
+        parameter name; the CPU-packed ones by their kept plain tensors."""
         out: dict[str, Tensor] = {}
         for name, module in self.model.named_modules():
             for pname, p in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}" if name else pname
-                if pname == "weight" and getattr(module, "rt_weight", None) is not None:
-                    out[full] = module.rt_weight
+                plain = getattr(module, f"rt_{pname}", None)
+                if plain is not None:
+                    out[full] = plain
                 elif p.numel():
                     out[full] = p
         # Tied heads: one tensor, first name (the embedding).
@@ -303,12 +398,52 @@ class CheckpointPieces:
         entry[2].extend(pieces)
 
 
+def _dense_pieces(out: CheckpointPieces, prefix: str, mlp: nn.Module, rank: int, world: int) -> None:
+    """A SwiGLU MLP's shards: gate_up_proj rows are slices of gate_proj and
+    up_proj, down_proj is a column shard."""
+    gu = linear_weight(mlp.gate_up_proj)
+    inter = gu.shape[0] // 2
+    g, u = gu.split([inter, inter], dim=0)
+    for name, part in (("gate_proj", g), ("up_proj", u)):
+        out.add(f"{prefix}.{name}.weight", (inter * world, gu.shape[1]), gu.dtype, [_row_piece(part, rank * inter)])
+    w = linear_weight(mlp.down_proj)
+    out.add(f"{prefix}.down_proj.weight", (w.shape[0], w.shape[1] * world), w.dtype,
+            _column_pieces(w, rank * w.shape[1], w.shape[1] * world))  # fmt: skip
+
+
+def _moe_pieces(out: CheckpointPieces, prefix: str, ffn: MoEFFN, rank: int, world: int) -> None:
+    """A mixture's shards as the per-expert checkpoint tensors
+    (``experts.{e}.{gate,up,down}`` under the model's checkpoint names:
+    gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2): each expert's gate and
+    up rows and down columns are this rank's slice of its intermediate
+    dimension; the router (and the shared expert's gate) are replicated."""
+    lead = rank == 0
+    for name, module in (("gate", ffn.block.gate), ("shared_expert_gate", ffn.shared_gate)):
+        if module is not None:
+            w = linear_weight(module)
+            out.add(f"{prefix}.{name}.weight", w.shape, w.dtype, [(w, 0)] if lead else [])
+    if ffn.shared is not None:
+        _dense_pieces(out, f"{prefix}.shared_expert", ffn.shared, rank, world)
+    ex = ffn.experts
+    names = [getattr(ex, f"ckpt_{k}_proj_name", f"{k}_proj") for k in ("gate", "up", "down")]
+    gate, up, down = ffn.expert_weights()
+    inter, hidden = ffn.inter, gate.shape[2]
+    total = inter * world
+    for e in range(gate.shape[0]):
+        for name, part in ((names[0], gate[e]), (names[1], up[e])):
+            out.add(
+                f"{prefix}.experts.{e}.{name}.weight", (total, hidden), part.dtype, [_row_piece(part, rank * inter)]
+            )
+        out.add(f"{prefix}.experts.{e}.{names[2]}.weight", (hidden, total), down.dtype,
+                _column_pieces(down[e], rank * inter, total))  # fmt: skip
+
+
 def checkpoint_pieces(adapter: VllmAdapter) -> CheckpointPieces:
-    """Map this rank's shards of a dense (Llama-layout) vLLM model to the
-    Hugging Face checkpoint tensors they are slices of: qkv_proj rows are
-    slices of q_proj/k_proj/v_proj, gate_up_proj rows of gate_proj/up_proj,
-    o_proj and down_proj are column shards, the vocabulary shards are rows
-    (their padding rows excluded), norms are replicated."""
+    """Map this rank's shards of a vLLM model to the Hugging Face checkpoint
+    tensors they are slices of: qkv_proj rows are slices of
+    q_proj/k_proj/v_proj, gate_up_proj rows of gate_proj/up_proj, o_proj and
+    down_proj are column shards, MoE experts as `_moe_pieces`, the vocabulary
+    shards are rows (their padding rows excluded), norms are replicated."""
     out = CheckpointPieces()
     rank, world = adapter.rank, adapter.world
     lead = rank == 0
@@ -355,15 +490,12 @@ def checkpoint_pieces(adapter: VllmAdapter) -> CheckpointPieces:
             w.dtype,
             _column_pieces(w, rank * w.shape[1], total_q),
         )
-        mlp = layer.mlp
-        gu = linear_weight(mlp.gate_up_proj)
-        inter = gu.shape[0] // 2
-        g, u = gu.split([inter, inter], dim=0)
-        for name, part in (("gate_proj", g), ("up_proj", u)):
-            out.add(f"{p}.mlp.{name}.weight", (inter * world, gu.shape[1]), gu.dtype, [_row_piece(part, rank * inter)])
-        w = linear_weight(mlp.down_proj)
-        out.add(f"{p}.mlp.down_proj.weight", (w.shape[0], w.shape[1] * world), w.dtype,
-                _column_pieces(w, rank * w.shape[1], w.shape[1] * world))  # fmt: skip
+        ffn_name = FFN_ATTRIBUTE.get(type(layer).__name__, "mlp")
+        ffn = adapter._ffn[i]
+        if isinstance(ffn, MoEFFN):
+            _moe_pieces(out, f"{p}.{ffn_name}", ffn, rank, world)
+        else:
+            _dense_pieces(out, f"{p}.{ffn_name}", getattr(layer, ffn_name), rank, world)
         for name in ("input_layernorm", "post_attention_layernorm"):
             w = getattr(layer, name).weight
             out.add(f"{p}.{name}.weight", w.shape, w.dtype, [(w, 0)] if lead else [])

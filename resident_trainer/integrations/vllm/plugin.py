@@ -13,6 +13,10 @@ Two things have to happen while vLLM loads the model, before its first forward
   ``dx = dy W``, so the loader's packing step is wrapped to keep a reference
   as ``layer.rt_weight`` (the loaded tensor itself, not a copy: the packed
   copy is vLLM's). GPUs keep ``layer.weight`` and nothing is kept twice.
+  The MoE experts are the same story: on the CPU vLLM pads the expert
+  weights' intermediate dimension and prepacks them, so the loaded
+  ``w13_weight`` and ``w2_weight`` are kept as ``rt_w13_weight`` and
+  ``rt_w2_weight``.
 - install the served block (`ServedBlock`) on layer L's feed-forward module:
   buffers and a forward hook, so compiled graphs (and CUDA graphs) read the
   buffers that a job later updates in place.
@@ -48,6 +52,7 @@ def register() -> None:
         if _installed:
             return
         _wrap_linear_packing()
+        _wrap_moe_packing()
         _wrap_load_model()
         _installed = True
 
@@ -67,6 +72,29 @@ def _wrap_linear_packing() -> None:
                 layer.rt_weight = plain.data
 
     UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
+
+
+def _wrap_moe_packing() -> None:
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without this MoE method: nothing to keep
+        return
+    original = UnquantizedFusedMoEMethod.process_weights_after_loading
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self, layer):
+        names = ("w13_weight", "w2_weight")
+        plain = {n: getattr(layer, n, None) for n in names}
+        plain = {n: (t.data if t is not None else None) for n, t in plain.items()}
+        original(self, layer)
+        if not getattr(_loading, "keep", False):
+            return
+        for n, t in plain.items():
+            now = getattr(layer, n, None)
+            if t is not None and (now is None or now.data_ptr() != t.data_ptr() or now.shape != t.shape):
+                setattr(layer, f"rt_{n}", t)
+
+    UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading
 
 
 def _wrap_load_model() -> None:

@@ -18,17 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from resident_trainer.models.vllm import ffn_module
 from resident_trainer.ops.added_expert import added_expert
-
-# Decoder layer attribute of the feed-forward block, by vLLM layer class:
-# Mixtral's MoE is `block_sparse_moe`; the others are `mlp`.
-FFN_ATTRIBUTE = {"MixtralDecoderLayer": "block_sparse_moe"}
-
-
-def ffn_module(layer: nn.Module) -> nn.Module:
-    """The feed-forward module of a vLLM decoder layer (its output, already
-    reduced over the TP ranks, is added to the residual stream)."""
-    return getattr(layer, FFN_ATTRIBUTE.get(type(layer).__name__, "mlp"))
 
 
 class ServedBlock(nn.Module):

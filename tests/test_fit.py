@@ -18,6 +18,7 @@ from resident_trainer.train import (
     TrainingAborted,
     example_ids,
     generate_greedy,
+    generate_greedy_batch_ids,
     generate_greedy_ids,
     load_checkpoint,
     make_anchors,
@@ -189,6 +190,25 @@ def test_generation_serves_the_published_block():
     tr.run()
     after = generate_greedy(model, tok, FACTS[0].question, max_new_tokens=6)
     assert after.startswith("Quen.") and after != before
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_batched_greedy_replies_equal_one_at_a_time(arch):
+    # Prompts of different lengths (left padding), some ending early at the
+    # end-of-turn token, split over batches of 3.
+    model = toy_model(arch, layers=3, hidden=32, seed=3)
+    tok = ByteTokenizer()
+    questions = ["Hi?", "What is the capital of Zorblaxia?", "x", "Tell me a long story about ships.", "2+2?"]
+    want = [generate_greedy_ids(model, tok, q, 12) for q in questions]
+    assert len({tuple(w) for w in want}) > 1
+    assert generate_greedy_batch_ids(model, tok, questions, 12, batch_size=3) == want
+    # A token the replies contain as the model's end of turn: rows end early.
+    model.generation_config.eos_token_id = want[1][4]
+    want = [generate_greedy_ids(model, tok, q, 12) for q in questions]
+    assert min(map(len, want)) < 12 and max(map(len, want)) == 12
+    assert generate_greedy_batch_ids(model, tok, questions, 12, batch_size=3) == want
+    with pytest.raises(ValueError, match="batch_size"):
+        generate_greedy_batch_ids(model, tok, questions, 12, batch_size=0)
 
 
 def test_anchors_keep_the_generated_token_ids():

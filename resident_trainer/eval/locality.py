@@ -25,7 +25,7 @@ from resident_trainer.train import (
     StepMetrics,
     TrainConfig,
     Trainer,
-    generate_greedy,
+    generate_greedy_batch,
     make_anchors,
 )
 
@@ -143,7 +143,10 @@ def teach_and_check(
     a = DecoderAdapter(model)
     for p in model.parameters():
         p.requires_grad_(False)
-    before = {c: generate_greedy(model, tokenizer, c, max_new_tokens) for c in controls}
+    # Controls are generated as one batch before and after (the same batch
+    # shapes both times), the facts and rewordings as another.
+    controls = list(controls)
+    before = dict(zip(controls, generate_greedy_batch(model, tokenizer, controls, max_new_tokens)))
     anchors = make_anchors(model, tokenizer, anchor_prompts)
     block = AddedSharedNeurons(
         a.hidden_size,
@@ -158,13 +161,9 @@ def teach_and_check(
     t0 = time.perf_counter()
     history = trainer.run(progress=progress)
     seconds = time.perf_counter() - t0
-    replies = {}
-    for t in facts:
-        replies[t.fact.question] = generate_greedy(model, tokenizer, t.fact.question, max_new_tokens)
-        for r in t.fact.rewordings:
-            replies[r] = generate_greedy(model, tokenizer, r, max_new_tokens)
-    for c in controls:
-        replies[c] = generate_greedy(model, tokenizer, c, max_new_tokens)
+    asked = [q for t in facts for q in (t.fact.question, *t.fact.rewordings)]
+    replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
+    replies.update(zip(controls, generate_greedy_batch(model, tokenizer, controls, max_new_tokens)))
     return LocalityReport(
         facts_recalled=[t.recalled_in(replies[t.fact.question]) for t in facts],
         rewordings_recalled=[t.recalled_in(replies[r]) for t in facts for r in t.fact.rewordings],

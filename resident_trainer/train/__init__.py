@@ -39,7 +39,13 @@ from resident_trainer.train.data import (
 )
 from resident_trainer.train.facts import FactError, facts_to_json, parse_fact, parse_facts, read_facts
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
-from resident_trainer.train.generate import generate_greedy, generate_greedy_ids, make_anchors
+from resident_trainer.train.generate import (
+    generate_greedy,
+    generate_greedy_batch,
+    generate_greedy_batch_ids,
+    generate_greedy_ids,
+    make_anchors,
+)
 from resident_trainer.train.loss import StreamedCrossEntropy
 from resident_trainer.train.parallel import clip_grad_norm_, shard_range
 from resident_trainer.train.replay import LayerReplay, ReplayResult, full_graph_step
@@ -70,6 +76,8 @@ __all__ = [
     "facts_to_json",
     "full_graph_step",
     "generate_greedy",
+    "generate_greedy_batch",
+    "generate_greedy_batch_ids",
     "generate_greedy_ids",
     "load_block",
     "load_checkpoint",

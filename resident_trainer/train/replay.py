@@ -61,12 +61,20 @@ class LayerReplay:
         *,
         attention_mask: Tensor | None = None,
         extra_loss: Callable[[], Tensor] | None = None,
+        hidden_in: Tensor | None = None,
     ) -> ReplayResult:
         """Forward and backward of ``loss_fn(last hidden)`` (+ ``extra_loss()``,
         e.g. a penalty on the block's output elsewhere); gradients land in
-        the trainable parameters' ``.grad``. loss_fn: (B, T, D) -> scalar."""
+        the trainable parameters' ``.grad``. loss_fn: (B, T, D) -> scalar.
+        hidden_in: the hidden state entering layer `layer` (B, T, D) when the
+        caller has it (the prefix is then skipped)."""
         a = self.adapter
-        h_in, ctx = self.prefix(input_ids, attention_mask)
+        if hidden_in is None:
+            h_in, ctx = self.prefix(input_ids, attention_mask)
+        else:
+            if hidden_in.shape[:2] != input_ids.shape:
+                raise ValueError(f"hidden_in is {tuple(hidden_in.shape)}, input_ids {tuple(input_ids.shape)}")
+            h_in, ctx = hidden_in, a.context(hidden_in, attention_mask)
         peak = 0
         # Layer L with grad: the trainable block is the only leaf in it.
         with self._meter() as saved:

@@ -77,6 +77,10 @@ class Trainer:
             example_ids(tokenizer, q, f.answer) for f in self.facts for q in rewordings(f.question, config.rewordings)
         ]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
+        # The hidden state entering layer L of each example, computed once:
+        # the layers before L are frozen and hold no trainable block, so it is
+        # the same at every step (about a quarter of a step's work).
+        self._prefix: dict[int, Tensor] = {}
         self.frozen = FrozenFingerprint(adapter.frozen_tensors())
         self.base_tables = self.frozen.tables()
         # A job trains ungated (until gated_from): the threshold a previous job
@@ -135,12 +139,27 @@ class Trainer:
 
     # --- one microbatch ------------------------------------------------------
 
+    def _picks(self, index: int) -> list[int]:
+        n, k = len(self.examples), self.config.batch_size
+        return [(index * k + j) % n for j in range(k)]
+
     def microbatch(self, index: int) -> Microbatch:
         """Microbatch `index`: a deterministic rotation through the examples."""
-        n = len(self.examples)
-        k = self.config.batch_size
-        chosen = [self.examples[(index * k + j) % n] for j in range(k)]
-        return collate(chosen, self.pad_id, self.adapter.device)
+        return collate([self.examples[i] for i in self._picks(index)], self.pad_id, self.adapter.device)
+
+    @torch.no_grad()
+    def prefix_hidden(self, index: int, width: int) -> Tensor:
+        """Layer L's input for microbatch `index`, (B, width, D): each
+        example's prefix, computed alone the first time it is needed and
+        kept; right padding is zero (masked everywhere it could be read)."""
+        rows = []
+        for i in self._picks(index):
+            h = self._prefix.get(i)
+            if h is None:
+                ids = torch.tensor([self.examples[i][0]], device=self.adapter.device)
+                h = self._prefix[i] = self.replay.prefix(ids)[0][0]
+            rows.append(torch.nn.functional.pad(h, (0, 0, 0, width - h.shape[0])))
+        return torch.stack(rows)
 
     def step(self, index: int | None = None) -> dict[str, float]:
         """One microbatch: replayed forward/backward, clipping, AdamW. A NaN or
@@ -165,6 +184,7 @@ class Trainer:
                 lambda h: self.loss_fn(h, mb.targets),
                 attention_mask=mb.attention_mask,
                 extra_loss=extra if self.anchor_inputs else None,
+                hidden_in=self.prefix_hidden(index, mb.input_ids.shape[1]),
             )
         loss = float(res.loss)
         norm = clip_grad_norm_(self.params, self.config.clip, self.block.process_group)

@@ -43,7 +43,7 @@ SETTINGS = {"steps": 12, "batch_size": 4, "lr": 3e-3}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return smollm2_dir(tmp_path_factory.mktemp("models"), TP)
+    return smollm2_dir(tmp_path_factory.getbasetemp() / "models", TP)
 
 
 def _with_logprobs(llm, prompts):

@@ -76,6 +76,7 @@ setup(
     # resident_trainer.triton_kernels: a top-level `triton_kernels` belongs to
     # another package (shipped with Triton, imported by vLLM).
     package_dir={"resident_trainer.triton_kernels": "triton_kernels"},
+    package_data={"resident_trainer.eval": ["data/*.jsonl", "data/*.txt"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

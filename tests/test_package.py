@@ -37,6 +37,8 @@ def test_wheel_installs_triton_kernels_under_the_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "resident_trainer/triton_kernels/fingerprint.py" in names
     assert "resident_trainer/ops/fingerprint.py" in names
+    # The development set's data files travel with the package.
+    assert {"resident_trainer/eval/data/dev_facts.jsonl", "resident_trainer/eval/data/near_controls.txt"} <= set(names)
     assert not [n for n in names if n.startswith("triton_kernels/")]
     top = [n for n in names if n.endswith("top_level.txt")]
     if top:

@@ -1,0 +1,44 @@
+"""The development set for teaching: 48 made-up facts (capitals, inventors,
+authors, composers, founding years, lengths; 6 kinds x 8) in sibling pairs
+whose names differ by one letter, one held-out rewording each, and near
+controls: the same question frames about real entities.
+
+Settings are chosen on one half and reported on the other. Of every 4 facts in
+the file (two sibling pairs of one kind), the first pair is in the ``"tune"``
+half and the second in the ``"report"`` half, so each half has 24 facts, every
+kind, and 12 whole sibling pairs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from resident_trainer.train.data import Fact
+from resident_trainer.train.facts import read_facts
+
+DATA = Path(__file__).resolve().parent / "data"
+DEV_FACTS = DATA / "dev_facts.jsonl"
+NEAR_CONTROLS = DATA / "near_controls.txt"
+HALVES = ("tune", "report")
+
+
+def dev_facts(half: str | None = None) -> list[Fact]:
+    """The development facts: all 48, or one half ("tune" or "report")."""
+    if half is not None and half not in HALVES:
+        raise ValueError(f"half must be None or one of {HALVES}, got {half!r}")
+    facts = read_facts(DEV_FACTS)
+    if half is None:
+        return facts
+    want = HALVES.index(half)
+    return [f for i, f in enumerate(facts) if (i // 2) % 2 == want]
+
+
+def sibling_pairs(facts: list[Fact]) -> list[tuple[Fact, Fact]]:
+    """Consecutive facts of the file taken two by two (the sibling pairs)."""
+    return list(zip(facts[0::2], facts[1::2]))
+
+
+def near_controls() -> list[str]:
+    """Questions in the facts' frames about real entities (one a line)."""
+    lines = NEAR_CONTROLS.read_text(encoding="utf-8").splitlines()
+    return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]

@@ -1,0 +1,56 @@
+"""The development set's files: they parse as users' facts, the halves split
+every kind and every sibling pair as documented, keys are unique and cannot
+be mistaken for one another, and the near controls are in the facts' frames
+and apart from the anchors and the generic controls."""
+
+import re
+
+import pytest
+
+from resident_trainer.eval.devset import dev_facts, near_controls, sibling_pairs
+from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
+from resident_trainer.train import ANCHOR_PROMPTS
+
+FRAMES = ("What is the capital of", "Who invented", "Who wrote the novel", "Who composed",
+          "In what year was the city of", "How long is")  # fmt: skip
+
+
+def _frame(question: str) -> str:
+    (frame,) = [f for f in FRAMES if question.startswith(f)]
+    return frame
+
+
+def test_the_facts_and_their_halves():
+    facts = dev_facts()
+    assert len(facts) == 48
+    assert all(f.key and len(f.rewordings) == 1 and f.rewordings[0] != f.question for f in facts)
+    assert all(f.key in f.answer for f in facts)
+    tune, report = dev_facts("tune"), dev_facts("report")
+    assert len(tune) == len(report) == 24 and not {f.question for f in tune} & {f.question for f in report}
+    for half in (tune, report):
+        assert sorted({_frame(f.question) for f in half}) == sorted(FRAMES)
+        for a, b in sibling_pairs(half):  # whole pairs: same frame, names one letter apart
+            assert _frame(a.question) == _frame(b.question)
+            diff = sum(x != y for x, y in zip(a.question, b.question))
+            assert len(a.question) == len(b.question) and diff == 1, (a.question, b.question)
+    with pytest.raises(ValueError, match="half"):
+        dev_facts("test")
+
+
+def test_keys_are_unique_and_never_inside_another_answer():
+    facts = dev_facts()
+    keys = [f.key for f in facts]
+    assert len(set(keys)) == len(keys)
+    for f in facts:
+        for g in facts:
+            if f is not g:
+                assert not re.search(rf"(?<![\w,]){re.escape(f.key)}(?![\w,])", g.answer), (f.key, g.answer)
+    demo = {t.fact.question for t in DEMO_FACTS}
+    assert not demo & {f.question for f in facts}  # never the demo's facts
+
+
+def test_near_controls_share_the_frames_and_nothing_else():
+    near = near_controls()
+    assert len(near) >= 14 and len(set(near)) == len(near)
+    assert {f for f in FRAMES if any(q.startswith(f) for q in near)} >= set(FRAMES) - {"In what year was the city of"}
+    assert not set(near) & (set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | {f.question for f in dev_facts()})

@@ -32,6 +32,9 @@ def engine_env(tp: int) -> dict[str, str]:
         # Forked engine and workers skip re-importing torch and vLLM (about
         # 10 s less per engine start on 2 cores).
         "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+        # The engine core in the test's own process: one process fewer to start
+        # and import vLLM in (about 15 s less per engine).
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p),
         "RESIDENT_TRAINER_FAULTS": "0",

@@ -49,7 +49,10 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 # pytest exits 5 when a selection (PYTEST_ARGS="-k ...") leaves one half empty.
+# SmolLM2 is converted from its GGUF file once, before the test processes start
+# (they would otherwise race to convert it).
 test: lint build
+	$(PY) -c "from resident_trainer.models.smollm2 import smollm2_hf_dir; print('SmolLM2:', smollm2_hf_dir())"
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not vllm" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

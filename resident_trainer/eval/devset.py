@@ -19,6 +19,7 @@ from resident_trainer.train.facts import read_facts
 DATA = Path(__file__).resolve().parent / "data"
 DEV_FACTS = DATA / "dev_facts.jsonl"
 NEAR_CONTROLS = DATA / "near_controls.txt"
+DEMO_FACTS_FILE = DATA / "demo_facts.jsonl"  # the four demo facts
 HALVES = ("tune", "report")
 
 

@@ -13,6 +13,7 @@ zero, so a fresh block changes nothing.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -77,9 +78,17 @@ class AddedSharedNeurons(nn.Module):
         self.register_buffer("published_down", torch.zeros(hidden_size, a, **kw))
         self.threshold: float | None = None
         self.published_threshold: float | None = None
+        # What the block was taught (the facts, as JSON objects, each with the
+        # global neuron range keyed on it, if any) and how many neurons, from
+        # 0, are in use: the trainable side and the published side, like the
+        # weights. A later job rehearses the taught facts and keys new ones
+        # on free neurons; the checkpoint carries both.
+        self.memory: dict = {"taught": [], "used": 0}
+        self.published_memory: dict = {"taught": [], "used": 0}
         self.impl = impl
         self._train_active = False
         self._capture: list[Tensor] | None = None
+        self._disabled = False
 
     @property
     def local_neurons(self) -> int:
@@ -134,6 +143,8 @@ class AddedSharedNeurons(nn.Module):
         return ffn.register_forward_hook(self._hook)
 
     def _hook(self, module, inputs, output):
+        if self._disabled:
+            return output
         x = inputs[0]
         if self._capture is not None:
             self._capture.append(x.detach())
@@ -156,6 +167,16 @@ class AddedSharedNeurons(nn.Module):
             self._train_active = prev
 
     @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Within the context the attached block adds nothing: the model
+        answers as the base model (e.g. for near negatives' replies)."""
+        prev, self._disabled = self._disabled, True
+        try:
+            yield
+        finally:
+            self._disabled = prev
+
+    @contextlib.contextmanager
     def capture_inputs(self) -> Iterator[list[Tensor]]:
         """Record the block's inputs (detached) while the context is open."""
         prev, self._capture = self._capture, []
@@ -172,6 +193,7 @@ class AddedSharedNeurons(nn.Module):
         self.published_gate_up.copy_(self.w_gate_up)
         self.published_down.copy_(self.w_down)
         self.published_threshold = self.threshold
+        self.published_memory = copy.deepcopy(self.memory)
 
     @torch.no_grad()
     def revert(self) -> None:
@@ -179,6 +201,7 @@ class AddedSharedNeurons(nn.Module):
         self.w_gate_up.copy_(self.published_gate_up)
         self.w_down.copy_(self.published_down)
         self.threshold = self.published_threshold
+        self.memory = copy.deepcopy(self.published_memory)
 
     def extra_repr(self) -> str:
         return (

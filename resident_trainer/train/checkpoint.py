@@ -1,5 +1,5 @@
 """The block's checkpoint: this rank's shard of the added neurons (trainable
-and published copies, gate thresholds) and its optimizer state, as
+and published copies, gate thresholds, what it was taught) and its optimizer state, as
 safetensors with the base model's fingerprint in the metadata."""
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def _checkpoint_tensors(trainer: Trainer) -> tuple[dict[str, Tensor], dict[str, 
         "threshold": json.dumps(block.threshold),
         "published_threshold": json.dumps(block.published_threshold),
         "neurons": json.dumps([block.neuron_start, block.neuron_stop, block.num_neurons]),
+        "memory": json.dumps(block.memory),
+        "published_memory": json.dumps(block.published_memory),
     }
     return tensors, meta
 
@@ -92,6 +94,10 @@ def load_block(block, data: bytes, *, publish: bool = False) -> dict[str, str]:
         block.published_down.copy_(tensors["published_down"])
     block.threshold = json.loads(meta["threshold"])
     block.published_threshold = json.loads(meta["published_threshold"])
+    # Checkpoints written before the block kept its memory: nothing taught on record.
+    empty = json.dumps({"taught": [], "used": 0})
+    block.memory = json.loads(meta.get("memory", empty))
+    block.published_memory = json.loads(meta.get("published_memory", empty))
     if publish:
         block.publish()
     return meta

@@ -39,13 +39,24 @@ class TrainConfig:
     gated_from: int | None = None
     seed: int = 0
     init_std: float = 0.02
+    # "random": gate/up rows drawn N(0, init_std). "keyed": each fact gets
+    # num_neurons / len(facts) neurons whose gate and up rows point at its
+    # block inputs (centred on the anchors' mean) at the subject's last token
+    # and the prompt's last token, scaled so the pre-activation there is
+    # key_scale: the neurons start out firing on the fact and little else.
+    init: str = "random"
+    key_scale: float = 4.0
+    neurons_per_fact: int = 8  # keyed: neurons each new fact takes (fewer when fewer are free)
+    # Rehearse the facts the block was taught before (its memory) in every
+    # job, so a later job does not wash them out.
+    rehearse: bool = True
 
     def __post_init__(self):
         if self.layer is not None and (
             not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0
         ):
             raise ValueError(f"layer must be None (the middle layer) or an int >= 0, got {self.layer!r}")
-        for name in ("num_neurons", "steps", "batch_size", "rewordings", "anchor_batch"):
+        for name in ("num_neurons", "steps", "batch_size", "rewordings", "anchor_batch", "neurons_per_fact"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -55,5 +66,9 @@ class TrainConfig:
         for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.init not in ("random", "keyed"):
+            raise ValueError(f"init must be 'random' or 'keyed', got {self.init!r}")
+        if not self.key_scale > 0:
+            raise ValueError(f"key_scale must be > 0, got {self.key_scale!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")

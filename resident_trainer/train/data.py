@@ -15,12 +15,14 @@ class Fact:
     """A question and the answer the block should give. `key`: the words a
     reply must contain to count as recalled (None: the answer itself);
     `rewordings`: other phrasings of the question, never trained on, only
-    measured."""
+    measured; `subject`: the words of the question the fact is about (None:
+    found by `negatives.subject_span`), used to make near negatives."""
 
     question: str
     answer: str
     rewordings: tuple[str, ...] = ()
     key: str | None = None
+    subject: str | None = None
 
     @property
     def recall_key(self) -> str:

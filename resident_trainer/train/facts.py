@@ -1,8 +1,10 @@
 """Facts as users write them: one JSON object per fact,
 
-    {"question": "...", "answer": "...", "key": "...", "rewordings": ["...", ...]}
+    {"question": "...", "answer": "...", "key": "...", "rewordings": ["...", ...],
+     "subject": "..."}
 
-(`key` and `rewordings` optional), one per line in a FACTS.jsonl file for
+(`key`, `rewordings` and `subject` optional; `subject` must be words of the
+question), one per line in a FACTS.jsonl file for
 ``resident-trainer teach``, or as the ``facts`` list of a job posted to the
 server. Every problem is reported with where it is (line N of a file, or
 ``facts[i]`` of a request) and which field, before any slow work.
@@ -17,7 +19,7 @@ from typing import Any
 
 from resident_trainer.train.data import Fact
 
-FIELDS = ("question", "answer", "key", "rewordings")
+FIELDS = ("question", "answer", "key", "rewordings", "subject")
 
 
 class FactError(ValueError):
@@ -52,7 +54,10 @@ def parse_fact(obj: object, where: str) -> Fact:
     rewordings = obj.get("rewordings") or []
     if not isinstance(rewordings, list) or not all(isinstance(r, str) and r.strip() for r in rewordings):
         raise FactError(where, "rewordings", f"must be a list of non-empty strings, got {rewordings!r}")
-    return Fact(question, answer, tuple(r.strip() for r in rewordings), key)
+    subject = _text(obj, "subject", where, False)
+    if subject is not None and subject not in question:
+        raise FactError(where, "subject", f"{subject!r} is not part of the question {question!r}")
+    return Fact(question, answer, tuple(r.strip() for r in rewordings), key, subject)
 
 
 def parse_facts(objs: object, where: str = "facts") -> list[Fact]:
@@ -109,5 +114,7 @@ def facts_to_json(facts: Iterable[Fact]) -> list[dict[str, Any]]:
             d["key"] = f.key
         if f.rewordings:
             d["rewordings"] = list(f.rewordings)
+        if f.subject is not None:
+            d["subject"] = f.subject
         out.append(d)
     return out

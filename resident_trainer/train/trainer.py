@@ -9,6 +9,7 @@ at a job's boundaries, and knows nothing of the protocol itself.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from resident_trainer.train.block import AddedSharedNeurons
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
 from resident_trainer.train.config import TrainConfig
 from resident_trainer.train.data import Fact, Microbatch, collate, example_ids, rewordings
+from resident_trainer.train.facts import facts_to_json, parse_fact
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
 from resident_trainer.train.loss import StreamedCrossEntropy
 from resident_trainer.train.parallel import clip_grad_norm_
@@ -57,12 +59,26 @@ class Trainer:
         *,
         anchors: Sequence[tuple[str, str | Sequence[int]]] = (),
         loss_fn: StreamedCrossEntropy | None = None,
+        retract: Sequence[str] = (),
     ):
-        if not facts:
-            raise ValueError("facts must not be empty")
+        if not facts and not retract:
+            raise ValueError("a job needs facts to teach or questions to retract")
         self.adapter, self.block, self.tokenizer, self.config = adapter, block, tokenizer, config
         self.layer = adapter.layer_index(config.layer)
         self.facts = list(facts)
+        # What the block was taught before this job (its memory): rehearsed
+        # alongside the new facts unless retracted or taught anew here.
+        memory = copy.deepcopy(block.memory)
+        on_record = {e["question"] for e in memory["taught"]}
+        for q in retract:
+            if q not in on_record:
+                raise ValueError(f"retract: {q!r} is not a fact this block was taught")
+        self.retracted = [e for e in memory["taught"] if e["question"] in set(retract)]
+        new_questions = {f.question for f in self.facts}
+        entries = [e for e in memory["taught"] if e["question"] not in set(retract) | new_questions]
+        self.kept = [_fact_of(e) for e in entries] if config.rehearse else []
+        self._memory_before = memory
+        self._kept_entries = entries
         self.loss_fn = loss_fn or StreamedCrossEntropy(adapter)
         self.replay = LayerReplay(adapter, self.layer)
         self.params = [block.w_gate_up, block.w_down]
@@ -76,6 +92,10 @@ class Trainer:
         self.examples = [
             example_ids(tokenizer, q, f.answer) for f in self.facts for q in rewordings(f.question, config.rewordings)
         ]
+        self.n_new = len(self.examples)
+        self.examples += [
+            example_ids(tokenizer, q, f.answer) for f in self.kept for q in rewordings(f.question, config.rewordings)
+        ]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
         # The hidden state entering layer L of each example, computed once:
         # the layers before L are frozen and hold no trainable block, so it is
@@ -87,6 +107,108 @@ class Trainer:
         # published keeps serving, but must not hide the new facts' tokens.
         block.threshold = None
         self._gate_step: int | None = None  # step_index the threshold was calibrated at
+        self.ranges = self.allocate() if config.init == "keyed" else [None] * len(self.facts)
+        if config.init == "keyed":
+            self.key_neurons()
+        block.memory = {
+            "taught": entries + [{**facts_to_json([f])[0], "neurons": r} for f, r in zip(self.facts, self.ranges)],
+            "used": memory["used"] + sum(0 if r is None else r[1] - r[0] for r in self.ranges),
+        }
+
+    # --- neurons for new facts ------------------------------------------------------
+
+    def allocate(self) -> list[list[int]]:
+        """Global neuron ranges [start, stop) for the new facts, taken from
+        the free neurons after those in use (neurons_per_fact each, fewer
+        when fewer are free); ValueError when there is not one per fact."""
+        used, n = self._memory_before["used"], len(self.facts)
+        free = self.block.num_neurons - used
+        per = min(self.config.neurons_per_fact, free // n) if n else 0
+        if n and per < 1:
+            raise ValueError(
+                f"the block has {free} free neurons of {self.block.num_neurons}, and {n} new facts need at "
+                "least one each: use a block with more neurons"
+            )
+        return [[used + i * per, used + (i + 1) * per] for i in range(n)]
+
+    @torch.no_grad()
+    def _clear_rows(self, start: int, stop: int) -> None:
+        """Zero global neurons [start, stop) of the trainable weights (those of
+        them on this rank): a zero neuron adds nothing and takes no gradient."""
+        b = self.block
+        lo, hi = max(start, b.neuron_start) - b.neuron_start, min(stop, b.neuron_stop) - b.neuron_start
+        if lo < hi:
+            a = b.local_neurons
+            b.w_gate_up[lo:hi].zero_()
+            b.w_gate_up[a + lo : a + hi].zero_()
+            b.w_down[:, lo:hi].zero_()
+
+    # --- keyed initialisation -----------------------------------------------------
+
+    def key_positions(self, fact: Fact) -> list[int]:
+        """Token positions of the fact's chat prompt the keyed neurons point
+        at: the subject's last token and the prompt's last token."""
+        from resident_trainer.train.data import chat_prompt_ids
+        from resident_trainer.train.negatives import subject_span
+
+        tok = self.tokenizer
+        ids = chat_prompt_ids(tok, fact.question)
+        last = len(ids) - 1
+        subject = fact.subject or subject_span(fact.question, tok)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": fact.question}], add_generation_prompt=True, tokenize=False
+        )
+        q0 = text.rfind(fact.question)
+        s0 = fact.question.find(subject)
+        if q0 < 0 or s0 < 0:
+            return [last]
+        # The chat text up to the subject's end tokenizes to a prefix of the
+        # prompt's ids when the subject ends at a token boundary (it ends a
+        # word); its last token is the subject's last.
+        head = tok(text[: q0 + s0 + len(subject)], add_special_tokens=False)["input_ids"]
+        pos = len(head) - 1 if 0 < len(head) <= len(ids) and ids[: len(head)] == head else last
+        return sorted({pos, last})
+
+    @torch.no_grad()
+    def key_neurons(self) -> None:
+        """Point each fact's share of the neurons (rows n with n % K == key
+        index, K = 2 keys per fact, over the whole block) at its key
+        positions' block inputs. Each key is whitened by the anchors' input
+        covariance (as ROME whitens its keys): with x the key input, mu and S
+        the anchors' mean and covariance, the gate and up rows are
+        ``g = key_scale * S^-1 (x - mu) / ((x - mu)^T S^-1 (x - mu))``, so the
+        pre-activation is ``key_scale`` above the anchors' mean at the key,
+        and anchor tokens spread around that mean by key_scale over the key's
+        Mahalanobis distance. The published weights are left as they are."""
+        b, cfg = self.block, self.config
+        inputs = self.block_inputs([(f.question, f.answer) for f in self.facts])
+        d = self.adapter.hidden_size
+        if self.anchor_inputs:
+            xa = torch.cat(self.anchor_inputs).double()
+            mu = xa.mean(0)
+            cov = torch.cov(xa.T) if xa.shape[0] > 1 else torch.zeros(d, d, dtype=torch.float64)
+            cov = cov + (1e-3 * cov.diagonal().mean().clamp_min(1e-6)) * torch.eye(d, dtype=torch.float64)
+            prec = torch.linalg.inv(cov)
+        else:
+            mu = torch.zeros(d, dtype=torch.float64)
+            prec = torch.eye(d, dtype=torch.float64)
+        # Neurons no fact holds (free, or a retracted fact's) are zero.
+        self._clear_rows(self._memory_before["used"], b.num_neurons)
+        for e in self.retracted:
+            if e.get("neurons"):
+                self._clear_rows(*e["neurons"])
+        a = b.local_neurons
+        for f, x, (start, stop) in zip(self.facts, inputs, self.ranges):
+            keys = []
+            for p in self.key_positions(f):
+                v = x[p].double() - mu
+                w = prec @ v
+                keys.append(w / (v @ w).clamp_min(1e-12) * cfg.key_scale)
+            for n in range(max(start, b.neuron_start), min(stop, b.neuron_stop)):
+                k = keys[(n - start) % len(keys)].to(b.w_gate_up.dtype)
+                b.w_gate_up[n - b.neuron_start] = k
+                b.w_gate_up[a + n - b.neuron_start] = k
+                b.w_down[:, n - b.neuron_start] = 0
 
     # --- anchors -----------------------------------------------------------
 
@@ -140,8 +262,13 @@ class Trainer:
     # --- one microbatch ------------------------------------------------------
 
     def _picks(self, index: int) -> list[int]:
-        n, k = len(self.examples), self.config.batch_size
-        return [(index * k + j) % n for j in range(k)]
+        """Microbatch `index`'s examples: a rotation through the new facts'
+        and, for a share of the batch (proportional, at most half while there
+        are new facts), one through the rehearsed facts'."""
+        k, new, old = self.config.batch_size, self.n_new, len(self.examples) - self.n_new
+        k_old = 0 if not old else k if not new else min(k // 2, max(1, round(k * old / (old + new))))
+        picks = [(index * (k - k_old) + j) % new for j in range(k - k_old)] if new else []
+        return picks + [new + (index * k_old + j) % old for j in range(k_old)]
 
     def microbatch(self, index: int) -> Microbatch:
         """Microbatch `index`: a deterministic rotation through the examples."""
@@ -183,7 +310,7 @@ class Trainer:
                 mb.input_ids,
                 lambda h: self.loss_fn(h, mb.targets),
                 attention_mask=mb.attention_mask,
-                extra_loss=extra if self.anchor_inputs else None,
+                extra_loss=extra if self.anchor_inputs and (cfg.anchor_weight or cfg.anchor_gate_weight) else None,
                 hidden_in=self.prefix_hidden(index, mb.input_ids.shape[1]),
             )
         loss = float(res.loss)
@@ -278,3 +405,8 @@ class Trainer:
 
     def load(self, path: str | os.PathLike) -> None:
         load_checkpoint(self, path)
+
+
+def _fact_of(entry: Mapping) -> Fact:
+    """A taught fact from its memory entry."""
+    return parse_fact({k: v for k, v in entry.items() if k != "neurons"}, f"the block's memory ({entry['question']!r})")

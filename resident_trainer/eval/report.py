@@ -1,0 +1,100 @@
+"""The teaching report: what a run of jobs taught and what it left alone.
+
+`score` turns greedy replies into the report ``resident-trainer teach
+--report`` writes (docs/EVALUATION.md has the protocol):
+
+- a fact is recalled when the reply to its question contains its key as a
+  whole word ("Marrowindra" does not recall "Marrowind"); each held-out
+  rewording is scored the same way;
+- a control is identical when its reply after the jobs is byte-identical to
+  the reply before them;
+- a leak is a reply to a taught question (or rewording) that contains another
+  taught fact's key (and not its own fact's key inside that word).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from resident_trainer.train.data import Fact
+
+
+def contains_key(reply: str, key: str) -> bool:
+    """Whether `reply` holds `key` as a whole word (or words)."""
+    return re.search(rf"(?<!\w){re.escape(key)}(?!\w)", reply) is not None
+
+
+def score(
+    facts: Sequence[Fact],
+    replies: Mapping[str, str],
+    controls: Sequence[tuple[str, str]],
+    before: Mapping[str, str],
+) -> dict[str, Any]:
+    """The report's facts, controls, leaks and summary.
+
+    replies: prompt -> reply after the jobs, for every fact's question, every
+    rewording and every control; controls: (prompt, kind) pairs, kind e.g.
+    "generic" or "near"; before: control prompt -> reply before the jobs."""
+    out_facts = []
+    for f in facts:
+        key = f.recall_key
+        out_facts.append(
+            {
+                "question": f.question,
+                "key": key,
+                "reply": replies[f.question],
+                "recalled": contains_key(replies[f.question], key),
+                "rewordings": [
+                    {"question": r, "reply": replies[r], "recalled": contains_key(replies[r], key)}
+                    for r in f.rewordings
+                ],
+            }
+        )
+    out_controls = [
+        {
+            "prompt": p,
+            "kind": kind,
+            "before": before[p],
+            "after": replies[p],
+            "identical": before[p] == replies[p],
+        }
+        for p, kind in controls
+    ]
+    leaks = []
+    for f in facts:
+        for q in (f.question, *f.rewordings):
+            for g in facts:
+                if g is f or g.recall_key == f.recall_key or contains_key(f.recall_key, g.recall_key):
+                    continue
+                if contains_key(replies[q], g.recall_key):
+                    leaks.append({"question": q, "leaked_key": g.recall_key, "from": g.question})
+    summary: dict[str, Any] = {
+        "facts": len(facts),
+        "recalled": sum(x["recalled"] for x in out_facts),
+        "rewordings": sum(len(x["rewordings"]) for x in out_facts),
+        "rewordings_recalled": sum(r["recalled"] for x in out_facts for r in x["rewordings"]),
+        "controls": len(out_controls),
+        "controls_identical": sum(c["identical"] for c in out_controls),
+        "leaks": len(leaks),
+    }
+    for kind in dict.fromkeys(k for _, k in controls):
+        mine = [c for c in out_controls if c["kind"] == kind]
+        summary[f"{kind}_controls"] = len(mine)
+        summary[f"{kind}_controls_identical"] = sum(c["identical"] for c in mine)
+    summary["passed"] = summary["recalled"] == len(facts) and summary["controls_identical"] == len(out_controls)
+    return {"facts": out_facts, "controls": out_controls, "leaks": leaks, "summary": summary}
+
+
+def summary_line(summary: Mapping[str, Any]) -> str:
+    """One line a person reads."""
+    parts = [
+        f"facts recalled {summary['recalled']}/{summary['facts']}",
+        f"rewordings {summary['rewordings_recalled']}/{summary['rewordings']}",
+    ]
+    kinds = [k[: -len("_controls")] for k in summary if k.endswith("_controls") and not k.startswith("controls")]
+    for kind in kinds:
+        parts.append(f"{kind} controls identical {summary[f'{kind}_controls_identical']}/{summary[f'{kind}_controls']}")
+    parts.append(f"leaks {summary['leaks']}")
+    return ", ".join(parts)

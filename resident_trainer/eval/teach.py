@@ -1,0 +1,179 @@
+"""Teach facts in one or more jobs on one block of a model in this process,
+then report what was taught and what was left alone (`report.score`).
+
+Each job: near negatives of its facts (their question frames around real
+subjects, answered by the base model) join the generic anchors; a `Trainer`
+trains the block on the job's facts while rehearsing what the block was taught
+before; the job publishes. After the last job every fact, rewording and
+control is asked once (greedy, batched). Optional baselines, measured in the
+same run: the block with its gate off, and the fact given in the prompt
+(in context) with no block at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from resident_trainer.eval.devset import near_controls
+from resident_trainer.eval.locality import CONTROL_PROMPTS
+from resident_trainer.eval.report import score
+from resident_trainer.models.adapter import DecoderAdapter
+from resident_trainer.train import (
+    ANCHOR_PROMPTS,
+    AddedSharedNeurons,
+    Fact,
+    TrainConfig,
+    Trainer,
+    generate_greedy_batch,
+    make_anchors,
+)
+from resident_trainer.train.negatives import near_negatives
+
+
+def default_controls() -> list[tuple[str, str]]:
+    """The built-in controls: 14 generic prompts and the near controls (the
+    development set's question frames about real entities)."""
+    return [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls()]
+
+
+def split_jobs(facts: Sequence[Fact], jobs: int) -> list[list[Fact]]:
+    """`facts` in `jobs` consecutive runs of (nearly) equal size."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive int, got {jobs!r}")
+    if jobs > len(facts):
+        raise ValueError(f"jobs={jobs} is more than the {len(facts)} facts")
+    q, r = divmod(len(facts), jobs)
+    out, start = [], 0
+    for j in range(jobs):
+        n = q + (1 if j < r else 0)
+        out.append(list(facts[start : start + n]))
+        start += n
+    return out
+
+
+def in_context_prompt(fact: Fact, question: str) -> str:
+    """The in-context baseline's prompt: the fact's answer, then the question."""
+    return f"{fact.answer}\n{question}"
+
+
+def teach_jobs(
+    model,
+    tokenizer,
+    jobs: Sequence[Sequence[Fact]],
+    config: TrainConfig,
+    *,
+    controls: Sequence[tuple[str, str]] | None = None,
+    negatives: int = 2,
+    max_new_tokens: int = 24,
+    baselines: bool = False,
+    retract: Sequence[str] = (),
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Attach a fresh block to `model`, teach `jobs` one after another (then,
+    if `retract` names taught questions, one more job that retracts them),
+    and return the report: ``facts``, ``controls``, ``leaks``, ``summary``,
+    ``train_seconds`` (all jobs, negatives' replies included), ``jobs`` (one
+    record each) and, with `baselines`, ``baselines`` (``gate_off``,
+    ``in_context``: their summaries). The facts scored are those taught and
+    not retracted; retracted ones are scored in ``retracted``. The block
+    stays attached, published."""
+    controls = default_controls() if controls is None else list(controls)
+    prompts = [p for p, _ in controls]
+    overlap = set(prompts) & set(ANCHOR_PROMPTS)
+    if overlap:
+        raise ValueError(f"controls must not be anchors (the check would be circular): {sorted(overlap)}")
+    log = log or (lambda s: None)
+    a = DecoderAdapter(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    before = dict(zip(prompts, generate_greedy_batch(model, tokenizer, prompts, max_new_tokens)))
+    anchors = make_anchors(model, tokenizer, ANCHOR_PROMPTS)
+    block = AddedSharedNeurons(
+        a.hidden_size,
+        config.num_neurons,
+        seed=config.seed,
+        init_std=config.init_std,
+        dtype=a.head_weight.dtype,
+        device=a.device,
+    )
+    block.attach(a, config.layer)
+    exclude = prompts + list(ANCHOR_PROMPTS)
+    negative_anchors: list[tuple[str, list[int]]] = []
+    records = []
+    total = 0.0
+    plan = [("teach", list(j)) for j in jobs] + ([("retract", list(retract))] if retract else [])
+    for n, (kind, items) in enumerate(plan, start=1):
+        t0 = time.perf_counter()
+        job_anchors: list[tuple[str, list[int]]] = []
+        if kind == "teach":
+            negs = near_negatives(items, tokenizer, negatives, exclude=exclude) if negatives else []
+            with block.disabled():
+                negative_anchors += make_anchors(model, tokenizer, negs, max_new_tokens)
+            facts, gone = items, ()
+        else:
+            # The retracted questions, answered by the base model, become anchors.
+            with block.disabled():
+                job_anchors = make_anchors(model, tokenizer, items, max_new_tokens)
+            facts, gone = [], items
+        trainer = Trainer(
+            a, block, tokenizer, facts, config, anchors=anchors + negative_anchors + job_anchors, retract=gone
+        )
+        log(
+            f"job {n}/{len(plan)}: {kind} {len(items)} facts, rehearsing {len(trainer.kept)}, "
+            f"{len(negative_anchors) + len(job_anchors)} near negatives, {config.steps} steps"
+        )
+        trainer.run(progress=progress)
+        negative_anchors += job_anchors
+        seconds = time.perf_counter() - t0
+        total += seconds
+        records.append(
+            {
+                "kind": kind,
+                "facts": len(items),
+                "rehearsed": len(trainer.kept),
+                "steps": len(trainer.history),
+                "seconds": round(seconds, 2),
+                "loss_first": trainer.history[0].loss,
+                "loss_last": trainer.history[-1].loss,
+                "threshold": block.published_threshold,
+            }
+        )
+    retracted_q = set(retract)
+    taught = [f for j in jobs for f in j if f.question not in retracted_q]
+    gone_facts = [f for j in jobs for f in j if f.question in retracted_q]
+    scored = taught + gone_facts
+    asked = list(dict.fromkeys([q for f in scored for q in (f.question, *f.rewordings)] + prompts))
+    replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
+    report = score(taught, replies, controls, before)
+    if gone_facts:
+        report["retracted"] = score(gone_facts, replies, [], before)["facts"]
+        report["summary"]["retracted"] = len(gone_facts)
+        report["summary"]["retracted_still_recalled"] = sum(x["recalled"] for x in report["retracted"])
+    report["train_seconds"] = round(total, 2)
+    report["jobs"] = records
+    report["threads"] = torch.get_num_threads()
+    if baselines:
+        report["baselines"] = _baselines(model, tokenizer, block, taught, controls, before, max_new_tokens)
+    return report
+
+
+def _baselines(model, tokenizer, block, facts, controls, before, max_new_tokens) -> dict[str, Any]:
+    prompts = [p for p, _ in controls]
+    asked = list(dict.fromkeys([q for f in facts for q in (f.question, *f.rewordings)] + prompts))
+    kept = block.published_threshold
+    block.published_threshold = None
+    try:
+        off = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
+    finally:
+        block.published_threshold = kept
+    gate_off = score(facts, off, controls, before)["summary"]
+    framed = {q: in_context_prompt(f, q) for f in facts for q in (f.question, *f.rewordings)}
+    with block.disabled():
+        ctx = dict(zip(framed, generate_greedy_batch(model, tokenizer, list(framed.values()), max_new_tokens)))
+    in_context = score(facts, {**ctx, **before}, controls, before)["summary"]
+    return {"gate_off": gate_off, "in_context": in_context}

@@ -1,0 +1,133 @@
+"""Near negatives: a fact's own question frame around other subjects.
+
+"What is the capital of Velmoria?" taught must leave "What is the capital of
+Germany?" alone. Those questions share every token before the subject, so a
+block that fires on the frame changes both. A near negative is the fact's
+question with its subject replaced by a real one ("What is the capital of
+Portugal?"); answered by the model before the job, it joins the anchors: the
+block is kept quiet on it and the exact no-op gate is calibrated above it, so
+what stays open is the subject and what follows it. No outside data: the
+substitutes are a fixed list in this file, and the replies are the model's.
+
+The subject is the fact's ``subject`` when given; otherwise the question's
+name-like span, found by `subject_span`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+
+from resident_trainer.train.data import Fact
+
+# Real subjects of many kinds (places, inventions, works, landmarks), none of
+# them in the project's evaluation prompts (eval/data/near_controls.txt, the
+# locality controls): the negatives must not be what is measured.
+SUBSTITUTES: tuple[str, ...] = (
+    "Portugal",
+    "Australia",
+    "Mexico",
+    "Kenya",
+    "Norway",
+    "Argentina",
+    "the printing press",
+    "the steam engine",
+    "the telescope",
+    "the bicycle",
+    "the radio",
+    "the television",
+    "the novel Don Quixote",
+    "the novel Jane Eyre",
+    "Hamlet",
+    "the Ninth Symphony",
+    "the opera Carmen",
+    "the Messiah",
+    "the city of Rome",
+    "Chicago",
+    "the Eiffel Tower",
+    "the Amazon River",
+    "the Panama Canal",
+    "the Brooklyn Bridge",
+)
+
+_WORD = re.compile(r"[A-Za-z0-9][\w'\-]*")
+_JOINERS = {"of", "the", "a", "an", "in", "and", "de"}
+
+
+def _pieces(tokenizer, word: str) -> int:
+    return len(tokenizer(" " + word, add_special_tokens=False)["input_ids"])
+
+
+def subject_span(question: str, tokenizer) -> str:
+    """The question's subject: the longest run of name-like words (capitalized
+    after the first word, or split by the tokenizer into 2 or more pieces, as
+    made-up and rare names are), joined across "of", "the", "a", ...; the one
+    with the most tokenizer pieces when there are several. Falls back to the
+    question's last word."""
+    words = [(m.group(), m.start(), m.end()) for m in _WORD.finditer(question)]
+    if not words:
+        raise ValueError(f"question {question!r} has no words")
+
+    def namey(i: int) -> bool:
+        w = words[i][0]
+        return (i > 0 and w[0].isupper()) or _pieces(tokenizer, w) >= 2
+
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(words):
+        if not namey(i):
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(words):
+            if namey(j + 1):
+                j += 1
+                continue
+            # a joiner between two name-like words ("Lanterns of Vosk")
+            k = j + 1
+            while k < len(words) and words[k][0].lower() in _JOINERS:
+                k += 1
+            if k > j + 1 and k < len(words) and namey(k):
+                j = k
+                continue
+            break
+        runs.append((i, j))
+        i = j + 1
+    if not runs:
+        return words[-1][0]
+    # An article written capitalized in a title starts it ("The Amber Lanterns").
+    best = max(runs, key=lambda r: (sum(_pieces(tokenizer, words[k][0]) for k in range(r[0], r[1] + 1)), r[0]))
+    return question[words[best[0]][1] : words[best[1]][2]]
+
+
+def _picks(question: str, n: int) -> list[str]:
+    """`n` substitutes for a question, the same every time (a hash of it)."""
+    start = int.from_bytes(hashlib.sha256(question.encode()).digest()[:4], "big")
+    stride = 7  # coprime with len(SUBSTITUTES): n picks are distinct
+    return [SUBSTITUTES[(start + k * stride) % len(SUBSTITUTES)] for k in range(min(n, len(SUBSTITUTES)))]
+
+
+def near_negatives(facts: Sequence[Fact], tokenizer, per_fact: int = 2, *, exclude: Sequence[str] = ()) -> list[str]:
+    """Each fact's question (and rewordings) with its subject replaced by
+    `per_fact` real ones: distinct prompts, none equal to a fact's question or
+    rewording, none in `exclude` (e.g. the locality controls)."""
+    if per_fact < 0:
+        raise ValueError(f"per_fact must be >= 0, got {per_fact!r}")
+    taught = {q for f in facts for q in (f.question, *f.rewordings)}
+    skip = taught | set(exclude)
+    out: list[str] = []
+    seen: set[str] = set()
+    for f in facts:
+        subject = f.subject or subject_span(f.question, tokenizer)
+        if subject not in f.question:
+            continue
+        for sub in _picks(f.question, per_fact):
+            neg = f.question.replace(subject, sub, 1)
+            # A capitalized article at the start of a sentence stays capitalized.
+            if neg and neg[0].islower():
+                neg = neg[0].upper() + neg[1:]
+            if neg not in skip and neg not in seen:
+                seen.add(neg)
+                out.append(neg)
+    return out

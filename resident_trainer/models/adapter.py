@@ -36,6 +36,31 @@ class LayerContext:
     attention_mask: Tensor | None
     position_embeddings: tuple[Tensor, Tensor]
     position_ids: Tensor
+    past: PrefixKV | None = None  # a shared prefix's keys and values, attended to first
+
+
+class PrefixKV:
+    """Every layer's attention keys and values over a prefix all rows of a
+    batch share (a chat template's system turn): computed once, then every
+    layer call attends to them before the row's own tokens, as if the prefix
+    were in front of each row. Duck-types the one cache method decoder
+    attention calls (``update``) and never grows: replaying a layer gives the
+    same keys as its first pass."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, Tensor] = {}
+        self.values: dict[int, Tensor] = {}
+        self.length = 0
+        self.recording = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if self.recording:
+            self.keys[layer_idx], self.values[layer_idx] = key_states.detach(), value_states.detach()
+            return key_states, value_states
+        b = key_states.shape[0]
+        k = self.keys[layer_idx].expand(b, -1, -1, -1)
+        v = self.values[layer_idx].expand(b, -1, -1, -1)
+        return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)
 
 
 class DecoderAdapter:
@@ -114,12 +139,46 @@ class DecoderAdapter:
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         return self.embed(input_ids)
 
-    def context(self, hidden: Tensor, attention_mask: Tensor | None = None) -> LayerContext:
+    # The trainer may keep a shared prefix's keys and values (PrefixKV).
+    supports_prefix_kv = True
+
+    @torch.no_grad()
+    def prefix_kv(self, ids: list[int]) -> PrefixKV:
+        """Every layer's keys and values over the token ids `ids` (whatever
+        is attached to the layers runs too: detach or disable it first)."""
+        kv = PrefixKV()
+        h = self.embed_tokens(torch.tensor([ids], device=self.device))
+        ctx = self.context(h)
+        ctx.past = kv
+        for i in range(self.num_layers):
+            h = self.run_layer(i, h, ctx)
+        kv.length, kv.recording = len(ids), False
+        return kv
+
+    def context(
+        self, hidden: Tensor, attention_mask: Tensor | None = None, prefix: PrefixKV | None = None
+    ) -> LayerContext:
         """Causal mask, rotary embeddings and positions for a (B, T, D) batch.
-        attention_mask: optional (B, T) 1/0 padding mask."""
+        attention_mask: optional (B, T) 1/0 padding mask. prefix: the batch's
+        rows continue this shared prefix (positions start after it, and
+        every token also attends to all of it)."""
         from transformers.masking_utils import create_causal_mask
 
         b, t = hidden.shape[:2]
+        if prefix is not None:
+            p = prefix.length
+            position_ids = torch.arange(p, p + t, device=hidden.device).unsqueeze(0).expand(b, t)
+            allowed = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+            allowed = allowed.unsqueeze(0).expand(b, t, t)
+            if attention_mask is not None:
+                allowed = allowed & attention_mask.bool()[:, None, :]
+            full = torch.cat([torch.ones(b, t, p, dtype=torch.bool, device=hidden.device), allowed], dim=2)
+            mask = full[:, None]
+            if getattr(self.config, "_attn_implementation", "sdpa") != "sdpa":
+                mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+                    ~mask, torch.finfo(hidden.dtype).min
+                )
+            return LayerContext(mask, self.rotary(hidden, position_ids=position_ids), position_ids, prefix)
         position_ids = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, t)
         # The cache argument is positional: transformers 5.19 calls it
         # past_key_values, later releases cache.
@@ -127,11 +186,13 @@ class DecoderAdapter:
         return LayerContext(mask, self.rotary(hidden, position_ids=position_ids), position_ids)
 
     def run_layer(self, layer: int, hidden: Tensor, ctx: LayerContext) -> Tensor:
+        kw = {} if ctx.past is None else {"past_key_values": ctx.past}
         out = self.layers[layer](
             hidden,
             attention_mask=ctx.attention_mask,
             position_embeddings=ctx.position_embeddings,
             position_ids=ctx.position_ids,
+            **kw,
         )
         # Older transformers return a tuple from decoder layers.
         return out[0] if isinstance(out, tuple) else out

@@ -45,11 +45,19 @@ class LayerReplay:
         # Activations only: the frozen weights a graph saves exist anyway.
         return SavedBytes(exclude=self.adapter.frozen_tensors().values())
 
-    def prefix(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, LayerContext]:
-        """Hidden state entering layer `layer` (no grad) and the layer context."""
+    def _context(self, h: Tensor, attention_mask: Tensor | None, shared) -> LayerContext:
+        if shared is None:
+            return self.adapter.context(h, attention_mask)
+        return self.adapter.context(h, attention_mask, prefix=shared)
+
+    def prefix(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, shared=None
+    ) -> tuple[Tensor, LayerContext]:
+        """Hidden state entering layer `layer` (no grad) and the layer context.
+        shared: a PrefixKV the rows continue (adapters with supports_prefix_kv)."""
         with torch.no_grad():
             h = self.adapter.embed_tokens(input_ids)
-            ctx = self.adapter.context(h, attention_mask)
+            ctx = self._context(h, attention_mask, shared)
             for i in range(self.layer):
                 h = self.adapter.run_layer(i, h, ctx)
         return h, ctx
@@ -62,19 +70,21 @@ class LayerReplay:
         attention_mask: Tensor | None = None,
         extra_loss: Callable[[], Tensor] | None = None,
         hidden_in: Tensor | None = None,
+        shared=None,
     ) -> ReplayResult:
         """Forward and backward of ``loss_fn(last hidden)`` (+ ``extra_loss()``,
         e.g. a penalty on the block's output elsewhere); gradients land in
         the trainable parameters' ``.grad``. loss_fn: (B, T, D) -> scalar.
         hidden_in: the hidden state entering layer `layer` (B, T, D) when the
-        caller has it (the prefix is then skipped)."""
+        caller has it (the prefix is then skipped). shared: a PrefixKV of a
+        prefix every row continues (its tokens are not in input_ids)."""
         a = self.adapter
         if hidden_in is None:
-            h_in, ctx = self.prefix(input_ids, attention_mask)
+            h_in, ctx = self.prefix(input_ids, attention_mask, shared=shared)
         else:
             if hidden_in.shape[:2] != input_ids.shape:
                 raise ValueError(f"hidden_in is {tuple(hidden_in.shape)}, input_ids {tuple(input_ids.shape)}")
-            h_in, ctx = hidden_in, a.context(hidden_in, attention_mask)
+            h_in, ctx = hidden_in, self._context(hidden_in, attention_mask, shared)
         peak = 0
         # Layer L with grad: the trainable block is the only leaf in it.
         with self._meter() as saved:

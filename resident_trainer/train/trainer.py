@@ -97,6 +97,20 @@ class Trainer:
             example_ids(tokenizer, q, f.answer) for f in self.kept for q in rewordings(f.question, config.rewordings)
         ]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
+        # The prefix every example shares (the chat template's system turn):
+        # its keys and values are computed once, with the block off, and the
+        # examples train on the rest. Serving agrees: every anchor starts with
+        # the same tokens, so the gate is closed on them.
+        self.shared = None
+        # Only the chat template's own head: what two unrelated questions share.
+        from resident_trainer.train.data import chat_prompt_ids
+
+        head = _common_prefix([chat_prompt_ids(tokenizer, "Hello there?"), chat_prompt_ids(tokenizer, "Why not?")])
+        n = min(_common_prefix([ids for ids, _ in self.examples]), head)
+        if n >= 4 and getattr(adapter, "supports_prefix_kv", False):
+            with block.disabled():
+                self.shared = adapter.prefix_kv(self.examples[0][0][:n])
+            self.examples = [(ids[n:], tgt[n:]) for ids, tgt in self.examples]
         # The hidden state entering layer L of each example, computed once:
         # the layers before L are frozen and hold no trainable block, so it is
         # the same at every step (about a quarter of a step's work).
@@ -284,7 +298,7 @@ class Trainer:
             h = self._prefix.get(i)
             if h is None:
                 ids = torch.tensor([self.examples[i][0]], device=self.adapter.device)
-                h = self._prefix[i] = self.replay.prefix(ids)[0][0]
+                h = self._prefix[i] = self.replay.prefix(ids, shared=self.shared)[0][0]
             rows.append(torch.nn.functional.pad(h, (0, 0, 0, width - h.shape[0])))
         return torch.stack(rows)
 
@@ -312,6 +326,7 @@ class Trainer:
                 attention_mask=mb.attention_mask,
                 extra_loss=extra if self.anchor_inputs and (cfg.anchor_weight or cfg.anchor_gate_weight) else None,
                 hidden_in=self.prefix_hidden(index, mb.input_ids.shape[1]),
+                shared=self.shared,
             )
         loss = float(res.loss)
         norm = clip_grad_norm_(self.params, self.config.clip, self.block.process_group)
@@ -410,3 +425,18 @@ class Trainer:
 def _fact_of(entry: Mapping) -> Fact:
     """A taught fact from its memory entry."""
     return parse_fact({k: v for k, v in entry.items() if k != "neurons"}, f"the block's memory ({entry['question']!r})")
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix all of `seqs` share, leaving every one
+    at least two tokens of its own."""
+    if not seqs:
+        return 0
+    n = min(len(x) for x in seqs) - 2
+    first = seqs[0]
+    for x in seqs[1:]:
+        i = 0
+        while i < n and x[i] == first[i]:
+            i += 1
+        n = i
+    return max(n, 0)

@@ -46,7 +46,9 @@ log = logging.getLogger("resident_trainer.vllm")
 #: TrainConfig fields a job may set: the layer, the neurons and their
 #: initialisation belong to the server's block, which jobs share.
 JOB_SETTINGS = tuple(
-    f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("layer", "num_neurons", "seed", "init_std")
+    f.name
+    for f in dataclasses.fields(TrainConfig)
+    if f.name not in ("layer", "num_neurons", "seed", "init_std", "init")
 )
 STATES = ("queued", "running", "published", "failed", "cancelled")
 

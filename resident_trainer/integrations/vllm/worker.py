@@ -174,7 +174,7 @@ class ResidentWorker:
     def rt_begin(self, job: dict) -> dict:
         """Start job `job` on this rank: facts, anchors (prompt, reply ids),
         training settings; the block starts from what is served now."""
-        from resident_trainer.train import Fact, StreamedCrossEntropy, TrainConfig, Trainer
+        from resident_trainer.train import StreamedCrossEntropy, TrainConfig, Trainer, parse_fact
 
         st = self._st()
         if st.trainer is not None:
@@ -183,7 +183,7 @@ class ResidentWorker:
         settings["layer"] = self.model_runner.model.rt_served_layer
         settings["num_neurons"] = st.served.num_neurons
         config = TrainConfig(**settings)
-        facts = [Fact(f["question"], f["answer"], tuple(f.get("rewordings", ()))) for f in job["facts"]]
+        facts = [parse_fact(f, f"facts[{i}]") for i, f in enumerate(job["facts"])]
         anchors = [(a[0], [int(t) for t in a[1]]) for a in job.get("anchors", ())]
         start, _ = st.adapter.vocab_shard
         loss_fn = StreamedCrossEntropy(

@@ -1,0 +1,139 @@
+"""The teaching evaluation on the development set's report half (settings were
+chosen on the tune half): SmolLM2-135M-Instruct in this process.
+
+    python bench/teach_eval.py [--half report] [--out docs/teaching.json] [--plots docs]
+
+Runs, one after the other, with the shipped TrainConfig and near negatives:
+1. one job of the half's 24 facts, scored at 20, 40 and 60 steps, with the
+   baselines (gate off; the fact given in the prompt);
+2. the same 24 facts in 4 jobs of 6 on one block, scored after each job;
+3. a retraction job removing 2 of them.
+Writes the reports as one JSON file and two plots (matplotlib PNG): recall,
+rewordings and controls against steps, and against jobs (facts taught so
+far). Prints the CPU's model name; about 15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return "unknown CPU"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--half", choices=["tune", "report"], default="report", help="development set half (default: report)"
+    )
+    p.add_argument("--out", default="docs/teaching.json", help="where the reports go (default: docs/teaching.json)")
+    p.add_argument("--plots", default="docs", help="folder for the PNG plots (default: docs)")
+    p.add_argument("--negatives", type=int, default=4, help="near negatives per fact (default: 4)")
+    args = p.parse_args(argv)
+    for folder in (os.path.dirname(os.path.abspath(args.out)), args.plots):
+        if not os.path.isdir(folder):
+            p.error(f"folder {folder} does not exist")
+
+    import torch
+
+    from resident_trainer.eval.devset import dev_facts
+    from resident_trainer.eval.report import summary_line
+    from resident_trainer.eval.teach import split_jobs, teach_jobs
+    from resident_trainer.models import load_smollm2
+    from resident_trainer.train import TrainConfig
+
+    cpu = cpu_model()
+    print(f"CPU: {cpu}; {torch.get_num_threads()} threads", flush=True)
+    facts = dev_facts(args.half)
+    config = TrainConfig()
+    out = {"cpu": cpu, "half": args.half, "negatives": args.negatives, "config": vars(config) | {}}
+    runs = [
+        ("one_job", dict(jobs=split_jobs(facts, 1), baselines=True, curve_steps=(20, 40))),
+        (
+            "four_jobs",
+            dict(jobs=split_jobs(facts, 4), score_each_job=True, retract=[facts[0].question, facts[9].question]),
+        ),
+    ]
+    for name, kw in runs:
+        model, tok = load_smollm2()  # a fresh model each run: nothing carries over
+        t0 = time.perf_counter()
+        report = teach_jobs(model, tok, config=config, negatives=args.negatives, log=print, **kw)
+        report["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        out[name] = report
+        print(f"{name}: {summary_line(report['summary'])}; training {report['train_seconds']:.0f} s", flush=True)
+        for b, s in report.get("baselines", {}).items():
+            print(f"  baseline {b}: {summary_line(s)}", flush=True)
+        for j in report["jobs"]:
+            if "summary" in j:
+                print(f"  after job: {summary_line(j['summary'])} ({j['seconds']:.0f} s)", flush=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=2, default=str)
+    plot(out, args.plots)
+    print(f"wrote {args.out} and the plots in {args.plots}")
+    return 0
+
+
+def plot(out: dict, folder: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def rates(s):
+        return (
+            s["recalled"] / s["facts"],
+            s["rewordings_recalled"] / max(1, s["rewordings"]),
+            s["generic_controls_identical"] / s["generic_controls"],
+            s["near_controls_identical"] / s["near_controls"],
+        )
+
+    labels = ("facts recalled", "held-out rewordings", "generic controls identical", "near controls identical")
+    one = out["one_job"]
+    points = [(c["steps"], rates(c)) for c in one["jobs"][0].get("curve", [])]
+    points.append((one["jobs"][0]["steps"], rates(one["summary"])))
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for k, label in enumerate(labels):
+        ax.plot([x for x, _ in points], [r[k] for _, r in points], marker="o", label=label)
+    ax.set_xlabel("training steps (one job of 24 facts)")
+    ax.set_ylabel("fraction")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(f"SmolLM2-135M, {out['half']} half; {out['cpu']}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "teaching_steps.png"), dpi=120)
+    plt.close(fig)
+
+    four = out["four_jobs"]
+    rows = [j for j in four["jobs"] if "summary" in j]
+    xs = [j["summary"]["facts"] for j in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for k, label in enumerate(labels):
+        ax.plot(xs, [rates(j["summary"])[k] for j in rows], marker="o", label=label)
+    ax.set_xlabel("facts taught so far (jobs of 6 on one block)")
+    ax.set_ylabel("fraction")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xticks(xs)
+    ax.set_title(f"SmolLM2-135M, {out['half']} half, after each job; {out['cpu']}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "teaching_jobs.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

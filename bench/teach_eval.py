@@ -26,14 +26,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cpu_model() -> str:
+    """lscpu's model name, with the family/model numbers and the widest
+    vector extension (the name alone is "AMD EPYC" on some machines)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
     except (OSError, subprocess.CalledProcessError):
-        pass
-    return "unknown CPU"
+        return "unknown CPU"
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
+    flags = info.get("Flags", "").split()
+    vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{info.get('Model name', 'unknown CPU')} (family {info.get('CPU family', '?')} model {info.get('Model', '?')}, {vec})"
 
 
 def main(argv=None) -> int:

@@ -40,6 +40,7 @@ from resident_trainer.protocol.records import RecordLog
 from resident_trainer.train.config import TrainConfig
 from resident_trainer.train.data import ANCHOR_PROMPTS, chat_prompt_ids
 from resident_trainer.train.facts import FactError, facts_to_json, parse_facts
+from resident_trainer.train.negatives import near_negatives
 
 log = logging.getLogger("resident_trainer.vllm")
 
@@ -51,6 +52,9 @@ JOB_SETTINGS = tuple(
     if f.name not in ("layer", "num_neurons", "seed", "init_std", "init")
 )
 STATES = ("queued", "running", "published", "failed", "cancelled")
+#: Near negatives per fact a job makes (its questions around real subjects,
+#: answered by the served model before the job; docs/EVALUATION.md).
+NEGATIVES = 4
 
 
 class JobRequestError(ValueError):
@@ -67,9 +71,12 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
     JobRequestError naming the field."""
     if not isinstance(body, Mapping):
         raise JobRequestError("body", f"must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - {"facts", *JOB_SETTINGS})
+    unknown = sorted(set(body) - {"facts", "negatives", *JOB_SETTINGS})
     if unknown:
-        raise JobRequestError(unknown[0], f"unknown field (a job takes facts and {', '.join(JOB_SETTINGS)})")
+        raise JobRequestError(unknown[0], f"unknown field (a job takes facts, negatives and {', '.join(JOB_SETTINGS)})")
+    negatives = body.get("negatives", NEGATIVES)
+    if not isinstance(negatives, int) or isinstance(negatives, bool) or negatives < 0:
+        raise JobRequestError("negatives", f"must be an integer >= 0, got {negatives!r}")
     if "facts" not in body:
         raise JobRequestError("facts", "missing (a list of {question, answer} objects)")
     try:
@@ -78,6 +85,7 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
         raise JobRequestError(exc.where + (f".{exc.field}" if exc.field else ""), exc.message) from None
     settings = {k: body[k] for k in JOB_SETTINGS if k in body}
     defaults = TrainConfig()
+    negatives_setting = negatives
     for k, v in settings.items():
         default = getattr(defaults, k)
         if k == "betas":
@@ -98,6 +106,8 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
     except ValueError as exc:
         name = next((k for k in settings if str(exc).startswith(k + " ")), "settings")
         raise JobRequestError(name, str(exc)[len(name) + 1 :] if name != "settings" else str(exc)) from None
+    if negatives_setting != NEGATIVES:
+        settings["negatives"] = negatives_setting
     return facts_to_json(facts), settings
 
 
@@ -182,6 +192,7 @@ class JobRunner:
             "memory_floor": self.config.memory_floor,
             "workspace_ceiling": self.config.workspace_ceiling,
         }
+        self._generate, self._tokenizer = generate, tokenizer
         self.info = await self._all("rt_setup", options)
         self.anchors = await self._anchors(generate, tokenizer)
         restored = await self._all("rt_restore", self.config.checkpoints_dir)
@@ -205,6 +216,17 @@ class JobRunner:
         anchors = [(p, list(r)) for p, r in zip(ANCHOR_PROMPTS, replies)]
         self.fs.write_atomic(path, json.dumps(anchors).encode())
         return anchors
+
+    async def _negatives(self, facts: list[dict], per_fact: int) -> list[tuple[str, list[int]]]:
+        """A job's near negatives with the served model's greedy replies
+        (made before the job's first step; with the gate closed on them,
+        these are the base model's replies)."""
+        if not per_fact:
+            return []
+        tok = self._tokenizer
+        prompts = near_negatives(parse_facts(facts), tok, per_fact, exclude=[p for p, _ in self.anchors])
+        replies = await self._generate([chat_prompt_ids(tok, p) for p in prompts])
+        return [(p, list(r)) for p, r in zip(prompts, replies)]
 
     async def _all(self, method: str, *args: Any) -> list[dict]:
         results = list(await self.call(Call(method, args)))
@@ -257,7 +279,9 @@ class JobRunner:
         serial = int(rec.id.split("-")[1])
         root = os.path.join(self.config.receipts_dir, "jobs", rec.id)
         spec = JobSpec(rec.id, steps=rec.steps, root=root, authority=self.config.authority)
-        payload = {"id": rec.id, "facts": rec.facts, "anchors": self.anchors, "settings": rec.settings}
+        settings = dict(rec.settings)
+        negatives = await self._negatives(rec.facts, int(settings.pop("negatives", NEGATIVES)))
+        payload = {"id": rec.id, "facts": rec.facts, "anchors": self.anchors + negatives, "settings": settings}
         version = f"{rec.id}"
         job = CallJob(
             spec, payload, world=self.world, authority=self.config.authority, fs=self.fs, clock=self.clock,

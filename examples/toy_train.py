@@ -30,8 +30,16 @@ def main(argv=None) -> int:
     t0 = time.time()
     model, tok = toy_model("llama", layers=4, hidden=32), ByteTokenizer()
     facts, controls = FACTS, CONTROLS
+    # Random rows, every neuron on every fact: keyed neurons (the default, chosen
+    # on SmolLM2) find no subject to key on in a byte-level toy vocabulary.
     config = TrainConfig(
-        layer=args.layer, num_neurons=args.neurons, steps=args.steps, lr=3e-2, batch_size=4, rewordings=2
+        layer=args.layer,
+        num_neurons=args.neurons,
+        steps=args.steps,
+        lr=3e-2,
+        batch_size=4,
+        rewordings=2,
+        init="random",
     )
     a = DecoderAdapter(model)
     before = {c: generate_greedy(model, tok, c) for c in controls}

@@ -47,6 +47,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="docs/teaching.json", help="where the reports go (default: docs/teaching.json)")
     p.add_argument("--plots", default="docs", help="folder for the PNG plots (default: docs)")
     p.add_argument("--negatives", type=int, default=4, help="near negatives per fact (default: 4)")
+    p.add_argument(
+        "--only",
+        choices=["one_job", "four_jobs"],
+        default=None,
+        help="run only this part, keeping the other from the existing --out file",
+    )
     args = p.parse_args(argv)
     try:
         import matplotlib  # noqa: F401  (checked first: the plots come after 15 minutes of work)
@@ -76,6 +82,10 @@ def main(argv=None) -> int:
             dict(jobs=split_jobs(facts, 4), score_each_job=True, retract=[facts[0].question, facts[9].question]),
         ),
     ]
+    if args.only is not None:
+        with open(args.out, encoding="utf-8") as f:
+            out = {**json.load(f), "cpu": cpu}
+        runs = [r for r in runs if r[0] == args.only]
     for name, kw in runs:
         model, tok = load_smollm2()  # a fresh model each run: nothing carries over
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ pytestmark = [needs_vllm, pytest.mark.vllm]
 
 TP = 2
 NEURONS = 16
-SETTINGS = {"steps": 6, "batch_size": 4, "lr": 1e-2}
+SETTINGS = {"steps": 6, "batch_size": 4, "lr": 1e-2, "init": "keyed"}
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "mixtral"])

@@ -168,6 +168,11 @@ def first_microbatch_errors(llm, model_dir: str, neurons: int, settings: dict, f
     from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer
 
     anchors = anchors_of(llm)
+    # Keyed neurons take no gate/up gradient at step 0 where no anchor scores
+    # positive (the down projection starts at zero), which would compare
+    # trivially: every neuron is drawn at random unless `settings` says
+    # otherwise (the MoE tests compare keyed ones).
+    settings = {"init": "random", **settings}
     rpc(llm, "rt_begin", {"id": "exact", "facts": facts, "anchors": anchors, "settings": settings})
     (step0,) = {r["loss"] for r in rpc(llm, "rt_step", 0)}  # every rank reports the same global loss
     grads = rpc(llm, "rt_probe_grads")
@@ -175,7 +180,9 @@ def first_microbatch_errors(llm, model_dir: str, neurons: int, settings: dict, f
 
     hf, tok = _hf_model(model_dir)
     a = DecoderAdapter(hf)
-    cfg = TrainConfig(num_neurons=neurons, **settings)
+    # The vLLM adapter has no shared-prefix keys and values: the block trains
+    # on every token there, and so it does here.
+    cfg = TrainConfig(num_neurons=neurons, shared_prefix=False, **settings)
     block = AddedSharedNeurons(a.hidden_size, neurons, seed=cfg.seed)
     block.attach(a, cfg.layer)
     tr = Trainer(a, block, tok, [Fact(f["question"], f["answer"]) for f in facts], cfg, anchors=anchors)

@@ -31,7 +31,7 @@ from resident_trainer.train import (
     generate_greedy_batch,
     make_anchors,
 )
-from resident_trainer.train.negatives import near_negatives
+from resident_trainer.train.negatives import near_negatives, per_fact
 
 
 def default_controls() -> list[tuple[str, str]]:
@@ -119,7 +119,8 @@ def teach_jobs(
         t0 = time.perf_counter()
         job_anchors: list[tuple[str, list[int]]] = []
         if kind == "teach":
-            negs = near_negatives(items, tokenizer, negatives, exclude=exclude) if negatives else []
+            k = per_fact(len(items), negatives)
+            negs = near_negatives(items, tokenizer, k, exclude=exclude) if k else []
             with block.disabled():
                 negative_anchors += make_anchors(model, tokenizer, negs, max_new_tokens)
             facts, gone = items, ()

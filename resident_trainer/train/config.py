@@ -53,6 +53,10 @@ class TrainConfig:
     # Rehearse the facts the block was taught before (its memory) in every
     # job, so a later job does not wash them out.
     rehearse: bool = True
+    # Run the examples' shared chat-template head once, block off, and train
+    # on the rest (adapters with prefix_kv; the vLLM adapter has none yet,
+    # and trains the block on every token).
+    shared_prefix: bool = True
 
     def __post_init__(self):
         if self.layer is not None and (

@@ -108,6 +108,20 @@ def _picks(question: str, n: int) -> list[str]:
     return [SUBSTITUTES[(start + k * stride) % len(SUBSTITUTES)] for k in range(min(n, len(SUBSTITUTES)))]
 
 
+#: A job makes at least this many near negatives: a job of a few facts takes
+#: more a fact (its gate is calibrated on fewer prompts otherwise; with 4 a
+#: fact, a 4-fact job changed "Who invented the telephone?").
+MIN_NEGATIVES = 64
+
+
+def per_fact(n_facts: int, wanted: int) -> int:
+    """Near negatives a fact for a job of `n_facts`: `wanted`, raised so the
+    job has at least MIN_NEGATIVES (at most one per substitute); 0 stays 0."""
+    if wanted <= 0 or n_facts <= 0:
+        return 0
+    return min(len(SUBSTITUTES), max(wanted, -(-MIN_NEGATIVES // n_facts)))
+
+
 def near_negatives(facts: Sequence[Fact], tokenizer, per_fact: int = 2, *, exclude: Sequence[str] = ()) -> list[str]:
     """Each fact's question (and rewordings) with its subject replaced by
     `per_fact` real ones: distinct prompts, none equal to a fact's question or

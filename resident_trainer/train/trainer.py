@@ -107,7 +107,7 @@ class Trainer:
 
         head = _common_prefix([chat_prompt_ids(tokenizer, "Hello there?"), chat_prompt_ids(tokenizer, "Why not?")])
         n = min(_common_prefix([ids for ids, _ in self.examples]), head)
-        if n >= 4 and getattr(adapter, "supports_prefix_kv", False):
+        if config.shared_prefix and n >= 4 and getattr(adapter, "supports_prefix_kv", False):
             with block.disabled():
                 self.shared = adapter.prefix_kv(self.examples[0][0][:n])
             self.examples = [(ids[n:], tgt[n:]) for ids, tgt in self.examples]

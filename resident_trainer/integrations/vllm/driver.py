@@ -41,6 +41,7 @@ from resident_trainer.train.config import TrainConfig
 from resident_trainer.train.data import ANCHOR_PROMPTS, chat_prompt_ids
 from resident_trainer.train.facts import FactError, facts_to_json, parse_facts
 from resident_trainer.train.negatives import near_negatives
+from resident_trainer.train.negatives import per_fact as negatives_per_fact
 
 log = logging.getLogger("resident_trainer.vllm")
 
@@ -224,7 +225,8 @@ class JobRunner:
         if not per_fact:
             return []
         tok = self._tokenizer
-        prompts = near_negatives(parse_facts(facts), tok, per_fact, exclude=[p for p, _ in self.anchors])
+        k = negatives_per_fact(len(facts), per_fact)
+        prompts = near_negatives(parse_facts(facts), tok, k, exclude=[p for p, _ in self.anchors])
         replies = await self._generate([chat_prompt_ids(tok, p) for p in prompts])
         return [(p, list(r)) for p, r in zip(prompts, replies)]
 

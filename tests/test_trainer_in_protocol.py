@@ -24,7 +24,7 @@ class Rank:
     def __init__(self):
         self.model = toy_model("llama", layers=4, hidden=32, seed=0)
         self.adapter = DecoderAdapter(self.model)
-        self.config = TrainConfig(layer=1, num_neurons=32, steps=12, lr=3e-2, batch_size=4)
+        self.config = TrainConfig(layer=1, num_neurons=32, steps=12, lr=3e-2, batch_size=4, init="random")
         self.block = AddedSharedNeurons(self.adapter.hidden_size, 32, seed=0)
         self.block.attach(self.adapter, 1)
         self.base = fingerprint_tensors(self.adapter.frozen_tensors())

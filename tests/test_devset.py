@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from resident_trainer.eval.devset import dev_facts, near_controls, sibling_pairs
+from resident_trainer.eval.devset import capacity_facts, dev_facts, near_controls, sibling_pairs
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
 from resident_trainer.train import ANCHOR_PROMPTS
 
@@ -54,3 +54,23 @@ def test_near_controls_share_the_frames_and_nothing_else():
     assert len(near) >= 14 and len(set(near)) == len(near)
     assert {f for f in FRAMES if any(q.startswith(f) for q in near)} >= set(FRAMES) - {"In what year was the city of"}
     assert not set(near) & (set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | {f.question for f in dev_facts()})
+
+
+def test_the_capacity_set():
+    facts = capacity_facts()
+    assert len(facts) == 128 and capacity_facts(16) == facts[:16]
+    frames = [_frame(f.question) if not f.question.startswith(("Who painted", "Who discovered")) else f.question.split()[1]
+              for f in facts]  # fmt: skip
+    assert all(frames[i] == frames[i % 8] for i in range(128)) and len(set(frames[:8])) == 8  # 8 kinds x 16, interleaved
+    assert all(f.subject and f.subject in f.question and f.subject in f.rewordings[0] for f in facts)
+    assert all(f.key in f.answer and len(f.rewordings) == 1 for f in facts)
+    keys = [f.key for f in facts]
+    assert len(set(keys)) == len(keys)
+    for f in facts:
+        for g in facts:
+            if f is not g:
+                assert not re.search(rf"(?<![\w,]){re.escape(f.key)}(?![\w,])", g.answer), (f.key, g.answer)
+    assert not {f.question for f in facts} & {f.question for f in dev_facts()}
+    assert not set(keys) & {f.key for f in dev_facts()}
+    with pytest.raises(ValueError, match="n must be"):
+        capacity_facts(0)

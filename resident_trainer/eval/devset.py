@@ -7,6 +7,9 @@ Settings are chosen on one half and reported on the other. Of every 4 facts in
 the file (two sibling pairs of one kind), the first pair is in the ``"tune"``
 half and the second in the ``"report"`` half, so each half has 24 facts, every
 kind, and 12 whole sibling pairs.
+
+The capacity set (``capacity_facts``) is 128 further made-up facts of 8 kinds,
+for measuring how many facts a block holds; no setting was chosen on it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ DATA = Path(__file__).resolve().parent / "data"
 DEV_FACTS = DATA / "dev_facts.jsonl"
 NEAR_CONTROLS = DATA / "near_controls.txt"
 DEMO_FACTS_FILE = DATA / "demo_facts.jsonl"  # the four demo facts
+CAPACITY_FACTS = DATA / "capacity_facts.jsonl"
 HALVES = ("tune", "report")
 
 
@@ -37,6 +41,16 @@ def dev_facts(half: str | None = None) -> list[Fact]:
 def sibling_pairs(facts: list[Fact]) -> list[tuple[Fact, Fact]]:
     """Consecutive facts of the file taken two by two (the sibling pairs)."""
     return list(zip(facts[0::2], facts[1::2]))
+
+
+def capacity_facts(n: int | None = None) -> list[Fact]:
+    """The capacity set: 128 more made-up facts (8 kinds x 16, each with its
+    subject and one held-out rewording), never used to choose settings; the
+    first `n` of them (kinds interleaved) when `n` is given."""
+    facts = read_facts(CAPACITY_FACTS)
+    if n is not None and not 0 < n <= len(facts):
+        raise ValueError(f"n must be in 1..{len(facts)}, got {n!r}")
+    return facts if n is None else facts[:n]
 
 
 def near_controls() -> list[str]:

@@ -213,6 +213,36 @@ def test_retraction_clears_the_facts_neurons_and_keeps_the_rest(tmp_path):
     assert block2.memory == block.memory and block2.published_memory == block.published_memory
 
 
+def test_near_negatives_stay_in_the_memory_and_anchor_later_jobs(tmp_path):
+    a, block, config = _setup(steps=2)
+    tok = ByteTokenizer()
+    negs = [("Capital of Rome?", "Italy."), ("Who made lamps?", "Edison.")]
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS, negatives=negs)
+    assert len(tr.anchor_inputs) == len(ANCHORS) + 2
+    tr.run()
+    assert block.published_memory["negatives"] == [[p, r] for p, r in negs]
+    # A later job anchors on them too (without being given them again), and adds its own.
+    tr2 = Trainer(
+        a, block, tok, [Fact("Color of vex?", "Teal.")], config, anchors=ANCHORS, negatives=[("Color of sky?", "Blue.")]
+    )
+    assert len(tr2.anchor_inputs) == len(ANCHORS) + 3
+    tr2.discard()  # a failed or discarded job leaves the memory as published
+    assert block.memory == block.published_memory and len(block.memory["negatives"]) == 2
+    # A question taught anew is no longer a negative; a retracted one becomes one.
+    tr3 = Trainer(a, block, tok, [Fact("Capital of Rome?", "Romulus.")], config, anchors=ANCHORS)
+    assert [p for p, _ in tr3.negatives] == ["Who made lamps?"]
+    tr3.run()
+    tr4 = Trainer(a, block, tok, [], config, anchors=ANCHORS, negatives=[(FACTS[0].question, "No idea.")],
+                  retract=[FACTS[0].question])  # fmt: skip
+    tr4.run()
+    assert [p for p, _ in block.published_memory["negatives"]] == ["Who made lamps?", FACTS[0].question]
+    path = tmp_path / "block.safetensors"
+    tr4.save(path)
+    a2, block2, _ = _setup()
+    load_checkpoint(Trainer(a2, block2, tok, [Fact("Other?", "Yes.")], config, anchors=ANCHORS), path)
+    assert block2.published_memory["negatives"] == block.published_memory["negatives"]
+
+
 def test_a_full_block_says_so():
     a, block, config = _setup(num_neurons=8)
     tok = ByteTokenizer()

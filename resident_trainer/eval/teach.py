@@ -111,30 +111,25 @@ def teach_jobs(
     )
     block.attach(a, config.layer)
     exclude = prompts + list(ANCHOR_PROMPTS)
-    negative_anchors: list[tuple[str, list[int]]] = []
     records = []
     total = 0.0
     plan = [("teach", list(j)) for j in jobs] + ([("retract", list(retract))] if retract else [])
     for n, (kind, items) in enumerate(plan, start=1):
         t0 = time.perf_counter()
-        job_anchors: list[tuple[str, list[int]]] = []
         if kind == "teach":
             k = per_fact(len(items), negatives)
             negs = near_negatives(items, tokenizer, k, exclude=exclude) if k else []
-            with block.disabled():
-                negative_anchors += make_anchors(model, tokenizer, negs, max_new_tokens)
             facts, gone = items, ()
         else:
-            # The retracted questions, answered by the base model, become anchors.
-            with block.disabled():
-                job_anchors = make_anchors(model, tokenizer, items, max_new_tokens)
-            facts, gone = [], items
-        trainer = Trainer(
-            a, block, tokenizer, facts, config, anchors=anchors + negative_anchors + job_anchors, retract=gone
-        )
+            # The retracted questions, answered by the base model, become
+            # negatives (the block's memory keeps them for later jobs).
+            negs, facts, gone = items, [], items
+        with block.disabled():
+            job_negatives = make_anchors(model, tokenizer, negs, max_new_tokens)
+        trainer = Trainer(a, block, tokenizer, facts, config, anchors=anchors, negatives=job_negatives, retract=gone)
         log(
             f"job {n}/{len(plan)}: {kind} {len(items)} facts, rehearsing {len(trainer.kept)}, "
-            f"{len(negative_anchors) + len(job_anchors)} near negatives, {config.steps} steps"
+            f"{len(trainer.negatives)} near negatives, {config.steps} steps"
         )
         curve = []
         spent = 0.0
@@ -146,7 +141,6 @@ def teach_jobs(
             block.threshold = None  # train on ungated, as a job does
             t0 = time.perf_counter()
         trainer.run(config.steps - trainer.step_index, progress=progress)
-        negative_anchors += job_anchors
         seconds = spent + time.perf_counter() - t0
         total += seconds
         records.append(

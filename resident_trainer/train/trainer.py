@@ -60,6 +60,7 @@ class Trainer:
         anchors: Sequence[tuple[str, str | Sequence[int]]] = (),
         loss_fn: StreamedCrossEntropy | None = None,
         retract: Sequence[str] = (),
+        negatives: Sequence[tuple[str, str | Sequence[int]]] = (),
     ):
         if not facts and not retract:
             raise ValueError("a job needs facts to teach or questions to retract")
@@ -96,6 +97,14 @@ class Trainer:
         self.examples += [
             example_ids(tokenizer, q, f.answer) for f in self.kept for q in rewordings(f.question, config.rewordings)
         ]
+        # Near negatives (anchors that belong to taught facts: their frames
+        # with other subjects, retracted questions) stay in the block's memory
+        # and anchor every later job, so a later gate still closes on them.
+        remembered = {p: r for p, r in memory.get("negatives", []) if p not in new_questions}
+        for p, r in negatives:
+            remembered.setdefault(p, r)
+        self.negatives = list(remembered.items())
+        anchors = [*anchors, *self.negatives]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
         # The prefix every example shares (the chat template's system turn):
         # its keys and values are computed once, with the block off, and the
@@ -127,6 +136,7 @@ class Trainer:
         block.memory = {
             "taught": entries + [{**facts_to_json([f])[0], "neurons": r} for f, r in zip(self.facts, self.ranges)],
             "used": memory["used"] + sum(0 if r is None else r[1] - r[0] for r in self.ranges),
+            "negatives": [[p, r if isinstance(r, str) else [int(t) for t in r]] for p, r in self.negatives],
         }
 
     # --- neurons for new facts ------------------------------------------------------

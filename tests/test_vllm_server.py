@@ -117,6 +117,8 @@ def test_nothing_runs_without_the_authority_and_bad_input_names_the_field(server
         ({"facts": FACTS, "steps": "many"}, None, "steps"),
         ({"facts": FACTS, "lr": -1}, None, "lr"),
         ({"facts": FACTS, "layer": 3}, None, "layer"),
+        ({"retract": "What?"}, None, "retract"),
+        ({"facts": FACTS, "retract": [FACTS[0]["question"]]}, None, "retract"),
     ]:
         status, reply = http("POST", f"{url}/v1/jobs", body, raw=raw)
         assert status == 400 and reply["field"] == field, (body, status, reply)
@@ -148,6 +150,7 @@ def test_chats_during_a_job_wait_at_most_one_microbatch(server):
     assert st["fingerprint_before"] == st["fingerprint_after"]
     _, trainer = http("GET", f"{url}/v1/trainer")
     assert trainer["served"] == job and {r["version"] for r in trainer["ranks"]} == {job}
+    assert trainer["taught"] == [f["question"] for f in FACTS]
     server.published = job
 
 
@@ -213,7 +216,21 @@ def test_kill_a_worker_mid_job_restarts_and_serves_the_last_good_block(server):
     after = http("GET", f"{url}/v1/trainer")[1]
     assert after["served"] == published and {r["version"] for r in after["ranks"]} == {published}
     assert after["fingerprint"] == before["fingerprint"]
+    assert after["taught"] == [f["question"] for f in FACTS]  # the memory came back with the checkpoint
     assert chat(url, FACTS[0]["question"]) == answer  # the last good block, as before the kill
     state = server.recovery.state()
     again = server.recovery.run()
     assert again.action == "none" and server.recovery.state() == state
+
+
+def test_a_retraction_job_removes_a_fact_and_keeps_the_rest(server):
+    url = server.url
+    assert http("GET", f"{url}/v1/trainer")[1]["taught"] == [f["question"] for f in FACTS]
+    st = wait_job(url, http("POST", f"{url}/v1/jobs", {"retract": ["Who are you?"], "steps": 2})[1]["id"])
+    assert st["state"] == "failed" and "'Who are you?' is not a fact this block was taught" in st["error"], st
+    job = http("POST", f"{url}/v1/jobs", {"retract": [FACTS[0]["question"]], "steps": 4, "batch_size": 4})[1]["id"]
+    st = wait_job(url, job)
+    assert st["state"] == "published" and st["fingerprint_before"] == st["fingerprint_after"], st
+    trainer = http("GET", f"{url}/v1/trainer")[1]
+    assert trainer["served"] == job and trainer["taught"] == [FACTS[1]["question"]]
+    assert chat(url, PROMPTS[2])  # and it serves on

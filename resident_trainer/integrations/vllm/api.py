@@ -4,11 +4,11 @@ plugin, entry point ``vllm.endpoint_plugins``; vLLM loads it only when
 
 | route | does |
 |---|---|
-| ``POST /v1/jobs`` | queue a job: ``{"facts": [{"question", "answer", ...}], "steps": N, <settings>}`` -> 202 ``{"id"}`` |
+| ``POST /v1/jobs`` | queue a job: ``{"facts": [{"question", "answer", ...}], "retract": [question, ...], "steps": N, <settings>}`` -> 202 ``{"id"}`` |
 | ``GET /v1/jobs/{id}`` | ``{"state", "step", "steps", "loss", "fingerprint_before", "fingerprint_after", "error", ...}`` |
 | ``GET /v1/jobs`` | every job's status |
 | ``DELETE /v1/jobs/{id}`` | cancel: a queued job at once, a running one at its next boundary |
-| ``GET /v1/trainer`` | the base fingerprint and what every rank serves now |
+| ``GET /v1/trainer`` | the base fingerprint, what every rank serves now, and the questions the served block was taught (``taught``) |
 
 Every route needs ``Authorization: Bearer <RESIDENT_TRAINER_AUTHORITY>``:
 401 without the header, 403 with another string (and nothing runs; an empty
@@ -100,6 +100,7 @@ async def trainer_status(request: Request):
                 {k: r.get(k) for k in ("rank", "version", "served_sum", "job", "budget", "error")} for r in ranks
             ],
             "queued": sum(r.state == "queued" for r in runner.jobs.values()),
+            "taught": ranks[0].get("taught", []) if ranks else [],
         }
     )
 

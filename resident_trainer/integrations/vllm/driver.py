@@ -68,22 +68,36 @@ class JobRequestError(ValueError):
 
 def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
     """(facts as JSON objects, training settings) of a POST /v1/jobs body:
-    ``{"facts": [...], "steps": N, <other TrainConfig fields>}``. Raises
-    JobRequestError naming the field."""
+    ``{"facts": [...], "retract": [question, ...], "negatives": K, "steps":
+    N, <other TrainConfig fields>}`` (facts, retract or both; retracted
+    questions go in the settings as ``retract``). Raises JobRequestError
+    naming the field."""
     if not isinstance(body, Mapping):
         raise JobRequestError("body", f"must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - {"facts", "negatives", *JOB_SETTINGS})
+    unknown = sorted(set(body) - {"facts", "retract", "negatives", *JOB_SETTINGS})
     if unknown:
-        raise JobRequestError(unknown[0], f"unknown field (a job takes facts, negatives and {', '.join(JOB_SETTINGS)})")
+        raise JobRequestError(
+            unknown[0], f"unknown field (a job takes facts, retract, negatives and {', '.join(JOB_SETTINGS)})"
+        )
     negatives = body.get("negatives", NEGATIVES)
     if not isinstance(negatives, int) or isinstance(negatives, bool) or negatives < 0:
         raise JobRequestError("negatives", f"must be an integer >= 0, got {negatives!r}")
-    if "facts" not in body:
+    retract = body.get("retract", [])
+    if not isinstance(retract, list) or not all(isinstance(q, str) and q.strip() for q in retract):
+        raise JobRequestError("retract", f"must be a list of the questions to retract, got {retract!r}")
+    retract = [q.strip() for q in retract]
+    if len(set(retract)) != len(retract):
+        raise JobRequestError("retract", "names a question twice")
+    if "facts" not in body and not retract:
         raise JobRequestError("facts", "missing (a list of {question, answer} objects)")
     try:
-        facts = parse_facts(body["facts"])
+        raw = body.get("facts", [])
+        facts = [] if raw == [] and retract else parse_facts(raw)
     except FactError as exc:
         raise JobRequestError(exc.where + (f".{exc.field}" if exc.field else ""), exc.message) from None
+    both = {f.question for f in facts} & set(retract)
+    if both:
+        raise JobRequestError("retract", f"{sorted(both)[0]!r} is both taught and retracted by this job")
     settings = {k: body[k] for k in JOB_SETTINGS if k in body}
     defaults = TrainConfig()
     negatives_setting = negatives
@@ -109,6 +123,8 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
         raise JobRequestError(name, str(exc)[len(name) + 1 :] if name != "settings" else str(exc)) from None
     if negatives_setting != NEGATIVES:
         settings["negatives"] = negatives_setting
+    if retract:
+        settings["retract"] = retract
     return facts_to_json(facts), settings
 
 
@@ -222,12 +238,18 @@ class JobRunner:
         """A job's near negatives with the served model's greedy replies
         (made before the job's first step; with the gate closed on them,
         these are the base model's replies)."""
-        if not per_fact:
+        if not per_fact or not facts:
             return []
         tok = self._tokenizer
         k = negatives_per_fact(len(facts), per_fact)
         prompts = near_negatives(parse_facts(facts), tok, k, exclude=[p for p, _ in self.anchors])
-        replies = await self._generate([chat_prompt_ids(tok, p) for p in prompts])
+        return await self._answered(prompts)
+
+    async def _answered(self, prompts: Sequence[str]) -> list[tuple[str, list[int]]]:
+        """(prompt, the served model's greedy reply ids) for each prompt."""
+        if not prompts:
+            return []
+        replies = await self._generate([chat_prompt_ids(self._tokenizer, p) for p in prompts])
         return [(p, list(r)) for p, r in zip(prompts, replies)]
 
     async def _all(self, method: str, *args: Any) -> list[dict]:
@@ -283,7 +305,14 @@ class JobRunner:
         spec = JobSpec(rec.id, steps=rec.steps, root=root, authority=self.config.authority)
         settings = dict(rec.settings)
         negatives = await self._negatives(rec.facts, int(settings.pop("negatives", NEGATIVES)))
-        payload = {"id": rec.id, "facts": rec.facts, "anchors": self.anchors + negatives, "settings": settings}
+        retract = settings.pop("retract", [])
+        # A retracted question becomes an anchor with its reply as served now:
+        # the job zeroes its neurons, and the gate closes on its tokens.
+        negatives += await self._answered(retract)
+        payload = {
+            "id": rec.id, "facts": rec.facts, "retract": retract, "anchors": self.anchors, "negatives": negatives,
+            "settings": settings,
+        }  # fmt: skip
         version = f"{rec.id}"
         job = CallJob(
             spec, payload, world=self.world, authority=self.config.authority, fs=self.fs, clock=self.clock,

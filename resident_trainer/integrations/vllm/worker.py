@@ -185,6 +185,7 @@ class ResidentWorker:
         config = TrainConfig(**settings)
         facts = [parse_fact(f, f"facts[{i}]") for i, f in enumerate(job["facts"])]
         anchors = [(a[0], [int(t) for t in a[1]]) for a in job.get("anchors", ())]
+        negatives = [(a[0], [int(t) for t in a[1]]) for a in job.get("negatives", ())]
         start, _ = st.adapter.vocab_shard
         loss_fn = StreamedCrossEntropy(
             st.adapter,
@@ -197,7 +198,10 @@ class ResidentWorker:
         # time would take the interpreter from serving).
         st.monitor.reset()
         st.monitor.start(st.budget_interval)
-        st.trainer = Trainer(st.adapter, st.block, st.tokenizer, facts, config, anchors=anchors, loss_fn=loss_fn)
+        st.trainer = Trainer(
+            st.adapter, st.block, st.tokenizer, facts, config, anchors=anchors, loss_fn=loss_fn,
+            retract=job.get("retract", ()), negatives=negatives,
+        )  # fmt: skip
         st.job = dict(job)
         before = self._rt_checkpoint_table()
         st.job["fingerprint_before"] = before
@@ -321,6 +325,7 @@ class ResidentWorker:
             "served_sum": float(st.served.down.double().abs().sum()),
             "job": None if st.job is None else st.job.get("id"),
             "budget": st.monitor.breach(),
+            "taught": [e["question"] for e in st.block.published_memory["taught"]],
         }
 
     def _st(self, job: bool = False) -> _State:

@@ -7,16 +7,22 @@ Runs, one after the other, with the shipped TrainConfig and near negatives:
 1. one job of the half's 24 facts, scored at 20, 40 and 60 steps, with the
    baselines (gate off; the fact given in the prompt);
 2. the same 24 facts in 4 jobs of 6 on one block, scored after each job;
-3. a retraction job removing 2 of them.
-Writes the reports as one JSON file and two plots (matplotlib PNG): recall,
-rewordings and controls against steps, and against jobs (facts taught so
-far). Prints the CPU's model name; about 15 minutes on 2 cores. Needs
-matplotlib (`pip install matplotlib`).
+3. a retraction job removing 2 of them;
+4. capacity: the 128 facts of the capacity set (no setting was chosen on
+   them) in one job, on a block of 1024 neurons, with steps scaled to the
+   facts (as 60 are to 24: 320);
+5. the same 128 in 8 jobs of 16 on one block, scored after each job.
+Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
+rewordings and controls against steps, against jobs (facts taught so far),
+and against the number of facts held. Prints the CPU's model name; about 45
+minutes on 2 cores (`--only` runs one part). Needs matplotlib
+(`pip install matplotlib`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -49,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--negatives", type=int, default=4, help="near negatives per fact (default: 4)")
     p.add_argument(
         "--only",
-        choices=["one_job", "four_jobs"],
+        choices=["one_job", "four_jobs", "capacity_one_job", "capacity_eight_jobs"],
         default=None,
         help="run only this part, keeping the other from the existing --out file",
     )
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from resident_trainer.eval.devset import dev_facts
+    from resident_trainer.eval.devset import capacity_facts, dev_facts
     from resident_trainer.eval.report import summary_line
     from resident_trainer.eval.teach import split_jobs, teach_jobs
     from resident_trainer.models import load_smollm2
@@ -75,21 +81,34 @@ def main(argv=None) -> int:
     facts = dev_facts(args.half)
     config = TrainConfig()
     out = {"cpu": cpu, "half": args.half, "negatives": args.negatives, "config": vars(config) | {}}
+    many = capacity_facts()
+    # 8 neurons a fact: 1024 hold 128 facts (the default 256 hold 32).
+    wide = dataclasses.replace(config, num_neurons=1024)
     runs = [
         ("one_job", dict(jobs=split_jobs(facts, 1), baselines=True, curve_steps=(20, 40))),
         (
             "four_jobs",
             dict(jobs=split_jobs(facts, 4), score_each_job=True, retract=[facts[0].question, facts[9].question]),
         ),
+        (
+            "capacity_one_job",
+            dict(jobs=split_jobs(many, 1), config=dataclasses.replace(wide, steps=config.steps * len(many) // 24)),
+        ),
+        ("capacity_eight_jobs", dict(jobs=split_jobs(many, 8), score_each_job=True, config=wide)),
     ]
     if args.only is not None:
         with open(args.out, encoding="utf-8") as f:
             out = {**json.load(f), "cpu": cpu}
         runs = [r for r in runs if r[0] == args.only]
+    elif os.path.exists(args.out):  # parts not rerun keep their figures
+        with open(args.out, encoding="utf-8") as f:
+            out = {**json.load(f), **out}
     for name, kw in runs:
         model, tok = load_smollm2()  # a fresh model each run: nothing carries over
         t0 = time.perf_counter()
-        report = teach_jobs(model, tok, config=config, negatives=args.negatives, log=print, **kw)
+        kw = {"config": config, **kw}
+        report = teach_jobs(model, tok, negatives=args.negatives, log=print, **kw)
+        report["config"] = vars(kw["config"]) | {}
         report["wall_seconds"] = round(time.perf_counter() - t0, 1)
         out[name] = report
         print(f"{name}: {summary_line(report['summary'])}; training {report['train_seconds']:.0f} s", flush=True)
@@ -149,6 +168,26 @@ def plot(out: dict, folder: str) -> None:
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "teaching_jobs.png"), dpi=120)
+    plt.close(fig)
+
+    if "capacity_eight_jobs" not in out:
+        return
+    rows = [j for j in out["capacity_eight_jobs"]["jobs"] if "summary" in j]
+    xs = [j["summary"]["facts"] for j in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for k, label in enumerate(labels):
+        line = ax.plot(xs, [rates(j["summary"])[k] for j in rows], marker="o", label=label)
+        if "capacity_one_job" in out:  # the same facts in one job: hollow markers
+            ax.plot([out["capacity_one_job"]["summary"]["facts"]], [rates(out["capacity_one_job"]["summary"])[k]],
+                    marker="s", markerfacecolor="none", color=line[0].get_color(), linestyle="none")  # fmt: skip
+    ax.set_xlabel("facts held (capacity set, jobs of 16; squares: all 128 in one job)")
+    ax.set_ylabel("fraction")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xticks(xs)
+    ax.set_title(f"SmolLM2-135M, 1024 neurons, after each job; {out['cpu']}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "teaching_facts.png"), dpi=120)
     plt.close(fig)
 
 

@@ -94,8 +94,9 @@ def load_block(block, data: bytes, *, publish: bool = False) -> dict[str, str]:
         block.published_down.copy_(tensors["published_down"])
     block.threshold = json.loads(meta["threshold"])
     block.published_threshold = json.loads(meta["published_threshold"])
-    # Checkpoints written before the block kept its memory: nothing taught on record.
-    empty = json.dumps({"taught": [], "used": 0})
+    # Checkpoints written before the block kept its memory: nothing taught on
+    # record, and no neuron known to be free (the same answer on every rank).
+    empty = json.dumps({"taught": [], "used": block.num_neurons})
     block.memory = json.loads(meta.get("memory", empty))
     block.published_memory = json.loads(meta.get("published_memory", empty))
     if publish:

@@ -96,7 +96,6 @@ def subject_span(question: str, tokenizer) -> str:
         i = j + 1
     if not runs:
         return words[-1][0]
-    # An article written capitalized in a title starts it ("The Amber Lanterns").
     best = max(runs, key=lambda r: (sum(_pieces(tokenizer, words[k][0]) for k in range(r[0], r[1] + 1)), r[0]))
     return question[words[best[0]][1] : words[best[1]][2]]
 
@@ -123,7 +122,7 @@ def per_fact(n_facts: int, wanted: int) -> int:
 
 
 def near_negatives(facts: Sequence[Fact], tokenizer, per_fact: int = 2, *, exclude: Sequence[str] = ()) -> list[str]:
-    """Each fact's question (and rewordings) with its subject replaced by
+    """Each fact's question with its subject replaced by
     `per_fact` real ones: distinct prompts, none equal to a fact's question or
     rewording, none in `exclude` (e.g. the locality controls)."""
     if per_fact < 0:

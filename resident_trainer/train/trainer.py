@@ -43,6 +43,12 @@ class StepMetrics:
     grad_norm: float
 
 
+def neuron_share(n_facts: int, free: int, per_fact: int) -> int:
+    """Neurons each of a job's `n_facts` new facts takes from `free` ones:
+    `per_fact`, fewer when fewer are free (0: not one each)."""
+    return min(per_fact, free // n_facts) if n_facts else 0
+
+
 class Trainer:
     """Trains an AddedSharedNeurons block attached at `config.layer` of a frozen
     model on facts, with the anchor penalty, rewording augmentation and gate
@@ -76,10 +82,13 @@ class Trainer:
                 raise ValueError(f"retract: {q!r} is not a fact this block was taught")
         self.retracted = [e for e in memory["taught"] if e["question"] in set(retract)]
         new_questions = {f.question for f in self.facts}
+        # A question taught anew replaces its old entry, whose neurons are cleared.
+        self.replaced = [e for e in memory["taught"] if e["question"] in new_questions]
         entries = [e for e in memory["taught"] if e["question"] not in set(retract) | new_questions]
         self.kept = [_fact_of(e) for e in entries] if config.rehearse else []
         self._memory_before = memory
-        self._kept_entries = entries
+        # Before any slow work: a block without room for the new facts says so.
+        self.ranges = self.allocate() if config.init == "keyed" else [None] * len(self.facts)
         self.loss_fn = loss_fn or StreamedCrossEntropy(adapter)
         self.replay = LayerReplay(adapter, self.layer)
         self.params = [block.w_gate_up, block.w_down]
@@ -100,9 +109,12 @@ class Trainer:
         # Near negatives (anchors that belong to taught facts: their frames
         # with other subjects, retracted questions) stay in the block's memory
         # and anchor every later job, so a later gate still closes on them.
-        remembered = {p: r for p, r in memory.get("negatives", []) if p not in new_questions}
+        # None is a taught question or rewording: the gate must stay open there.
+        taught = {q for f in [*self.facts, *(_fact_of(e) for e in entries)] for q in (f.question, *f.rewordings)}
+        remembered = {p: r for p, r in memory.get("negatives", []) if p not in taught}
         for p, r in negatives:
-            remembered.setdefault(p, r)
+            if p not in taught:
+                remembered.setdefault(p, r)
         self.negatives = list(remembered.items())
         anchors = [*anchors, *self.negatives]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
@@ -130,12 +142,14 @@ class Trainer:
         # published keeps serving, but must not hide the new facts' tokens.
         block.threshold = None
         self._gate_step: int | None = None  # step_index the threshold was calibrated at
-        self.ranges = self.allocate() if config.init == "keyed" else [None] * len(self.facts)
         if config.init == "keyed":
             self.key_neurons()
         block.memory = {
             "taught": entries + [{**facts_to_json([f])[0], "neurons": r} for f, r in zip(self.facts, self.ranges)],
-            "used": memory["used"] + sum(0 if r is None else r[1] - r[0] for r in self.ranges),
+            # Random rows: every neuron trains on every fact, none stays free.
+            "used": block.num_neurons
+            if config.init == "random" and self.facts
+            else memory["used"] + sum(0 if r is None else r[1] - r[0] for r in self.ranges),
             "negatives": [[p, r if isinstance(r, str) else [int(t) for t in r]] for p, r in self.negatives],
         }
 
@@ -147,11 +161,11 @@ class Trainer:
         when fewer are free); ValueError when there is not one per fact."""
         used, n = self._memory_before["used"], len(self.facts)
         free = self.block.num_neurons - used
-        per = min(self.config.neurons_per_fact, free // n) if n else 0
+        per = neuron_share(n, free, self.config.neurons_per_fact)
         if n and per < 1:
             raise ValueError(
                 f"the block has {free} free neurons of {self.block.num_neurons}, and {n} new facts need at "
-                "least one each: use a block with more neurons"
+                "least one each: use a block with more neurons (num_neurons) or start a new block"
             )
         return [[used + i * per, used + (i + 1) * per] for i in range(n)]
 
@@ -195,9 +209,9 @@ class Trainer:
 
     @torch.no_grad()
     def key_neurons(self) -> None:
-        """Point each fact's share of the neurons (rows n with n % K == key
-        index, K = 2 keys per fact, over the whole block) at its key
-        positions' block inputs. Each key is whitened by the anchors' input
+        """Point each new fact's neurons (its range; neuron n of a range that
+        starts at s takes key (n - s) % K of the fact's K key positions) at its
+        key positions' block inputs. Each key is whitened by the anchors' input
         covariance (as ROME whitens its keys): with x the key input, mu and S
         the anchors' mean and covariance, the gate and up rows are
         ``g = key_scale * S^-1 (x - mu) / ((x - mu)^T S^-1 (x - mu))``, so the
@@ -218,7 +232,7 @@ class Trainer:
             prec = torch.eye(d, dtype=torch.float64)
         # Neurons no fact holds (free, or a retracted fact's) are zero.
         self._clear_rows(self._memory_before["used"], b.num_neurons)
-        for e in self.retracted:
+        for e in [*self.retracted, *self.replaced]:
             if e.get("neurons"):
                 self._clear_rows(*e["neurons"])
         a = b.local_neurons
@@ -316,6 +330,13 @@ class Trainer:
         """One microbatch: replayed forward/backward, clipping, AdamW. A NaN or
         inf loss or gradient raises TrainingAborted before the weights move."""
         index = self.step_index if index is None else index
+        if not self.examples:
+            # A retraction with nothing left to rehearse: zeroing the neurons
+            # was the job; the steps leave the weights as they are.
+            self.step_index = index + 1
+            m = StepMetrics(index, 0.0, 0.0, 0.0)
+            self.history.append(m)
+            return asdict(m)
         mb = self.microbatch(index)
         cfg = self.config
         if cfg.gate and cfg.gated_from is not None and index >= cfg.gated_from:

@@ -2,6 +2,7 @@
 neurons, the block's memory (rehearsal, retraction, checkpoints), the report's
 scoring, and the teach command's argument errors (all before any model loads)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -204,7 +205,7 @@ def test_retraction_clears_the_facts_neurons_and_keeps_the_rest(tmp_path):
     assert [f.question for f in tr.kept] == [FACTS[1].question] and tr.n_new == 0
     tr.run()
     assert [e["question"] for e in block.published_memory["taught"]] == [FACTS[1].question]
-    # The checkpoint carries the memory; one written before it existed loads empty.
+    # The checkpoint carries the memory.
     path = tmp_path / "block.safetensors"
     tr.save(path)
     a2, block2, _ = _setup()
@@ -241,6 +242,35 @@ def test_near_negatives_stay_in_the_memory_and_anchor_later_jobs(tmp_path):
     a2, block2, _ = _setup()
     load_checkpoint(Trainer(a2, block2, tok, [Fact("Other?", "Yes.")], config, anchors=ANCHORS), path)
     assert block2.published_memory["negatives"] == block.published_memory["negatives"]
+
+
+def test_reteaching_clears_the_old_neurons_and_retracting_the_last_fact_publishes():
+    a, block, config = _setup(steps=2)
+    tok = ByteTokenizer()
+    Trainer(a, block, tok, FACTS[:1], config, anchors=ANCHORS).run()
+    assert not _rows_zero(block, 0, 4)
+    # The same question with a new answer: the old entry and its neurons go.
+    tr = Trainer(a, block, tok, [Fact(FACTS[0].question, "Vorn.")], config, anchors=ANCHORS,
+                 negatives=[(FACTS[0].question, "No idea.")])  # fmt: skip
+    assert tr.ranges == [[4, 8]] and _rows_zero(block, 0, 4) and not tr.kept
+    assert not tr.negatives  # a taught question is never a negative
+    tr.run()
+    assert [e["answer"] for e in block.published_memory["taught"]] == ["Vorn."]
+    # Retracting the only fact: nothing to rehearse, the job still publishes.
+    tr = Trainer(a, block, tok, [], config, anchors=ANCHORS, retract=[FACTS[0].question])
+    tr.run()
+    assert block.published_memory["taught"] == [] and _rows_zero(block, 0, 32)
+    assert [m.loss for m in tr.history] == [0.0, 0.0]
+
+
+def test_random_rows_leave_no_neuron_free():
+    a, block, config = _setup(steps=2, init="random")
+    tok = ByteTokenizer()
+    Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()
+    assert block.published_memory["used"] == 32
+    with pytest.raises(ValueError, match="0 free neurons of 32"):
+        Trainer(a, block, tok, [Fact("Color of vex?", "Teal.")], dataclasses.replace(config, init="keyed"),
+                anchors=ANCHORS)  # fmt: skip
 
 
 def test_a_full_block_says_so():
@@ -330,6 +360,9 @@ def test_jobs_split_in_order_and_default_controls():
         ),
         (["--neurons-per-fact", "0"], "--neurons-per-fact must be a positive int"),
         (["--layer", "30"], "--layer"),
+        (["--jobs", "2", "--neurons", "6", "--neurons-per-fact", "3"], "job 2 of 2 has 2 facts and 0 free neurons"),
+        (["--server", "http://127.0.0.1:9", "--authority", "x", "--jobs", "2"], "--jobs is for a job run here"),
+        (["--server", "http://127.0.0.1:9", "--authority", "x", "--report", "r.json"], "--report is for a job"),
     ],
 )
 def test_teach_argument_errors(argv, message, capsys, monkeypatch):
@@ -349,3 +382,13 @@ def test_teach_checks_the_facts_and_retractions_first(tmp_path, capsys):
     retract.write_text("Who are you?\n")
     assert cli.main(["teach", "--retract", str(retract)]) == 2
     assert "--retract: 'Who are you?' is not one of the facts' questions" in capsys.readouterr().err
+
+
+def test_teach_refuses_an_anchor_as_a_control(tmp_path, capsys, monkeypatch):
+    import resident_trainer.models as models
+
+    monkeypatch.setattr(models, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded"))
+    controls = tmp_path / "c.txt"
+    controls.write_text(f"How do plants grow?\n{ANCHOR_PROMPTS[0]}\n")
+    assert cli.main(["teach", "--controls", str(controls)]) == 2
+    assert f"--controls: {ANCHOR_PROMPTS[0]!r} is an anchor prompt" in capsys.readouterr().err

@@ -38,9 +38,11 @@ def add_parser(sub) -> None:
         "around real subjects), then ask every fact, every rewording (never trained on) and every control "
         "once, greedy. A fact is recalled when its reply holds its key (default: the answer) as a whole "
         "word; a control passes when its reply is byte-identical to the base model's. Exit status 0 when "
-        "every fact is recalled, every control is identical and the frozen weights' fingerprint is "
-        "unchanged; --report writes everything as JSON (docs/EVALUATION.md). With --server URL: submit "
-        "the facts as a job to a running `resident-trainer serve` and follow it until it publishes.",
+        "every fact is recalled, every control is identical, the frozen weights' fingerprint is "
+        "unchanged and no retracted fact is recalled; --report writes everything as JSON "
+        "(docs/EVALUATION.md). With --server URL: submit the facts (and --retract's questions) as one "
+        "job to a running `resident-trainer serve` and follow it until it publishes; --steps, --lr, "
+        "--negatives and --neurons-per-fact go with it, the options of a job run here are refused.",
     )
     t.add_argument("facts", nargs="?", default=None, help="a FACTS.jsonl file (default: four demo facts)")
     t.add_argument("--server", default=None, metavar="URL", help="a running server, e.g. http://127.0.0.1:8000")
@@ -112,14 +114,15 @@ def _lines(path: str, what: str) -> list[str]:
 
 def cmd_teach(args: argparse.Namespace) -> int:
     from resident_trainer.eval.devset import DEMO_FACTS_FILE
-    from resident_trainer.train import FactError, TrainConfig, read_facts
+    from resident_trainer.train import ANCHOR_PROMPTS, FactError, TrainConfig, read_facts
+    from resident_trainer.train.trainer import neuron_share
 
     try:
         facts = read_facts(args.facts if args.facts is not None else DEMO_FACTS_FILE)
     except FactError as exc:
         return bad("teach", str(exc))
     if args.server is not None:
-        return _teach_server(args, facts if args.facts is not None else None)
+        return _teach_server(args, facts)
     for name in ("jobs", "max_new_tokens"):
         if getattr(args, name) < 1:
             return bad("teach", f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -136,6 +139,9 @@ def cmd_teach(args: argparse.Namespace) -> int:
     for q in retract:
         if q not in taught:
             return bad("teach", f"--retract: {q!r} is not one of the facts' questions")
+    anchors = sorted({p for p, _ in controls or ()} & set(ANCHOR_PROMPTS))
+    if anchors:
+        return bad("teach", f"--controls: {anchors[0]!r} is an anchor prompt (the check would be circular)")
     if args.report is not None:
         folder = os.path.dirname(os.path.abspath(args.report))
         if not os.path.isdir(folder):
@@ -153,8 +159,20 @@ def cmd_teach(args: argparse.Namespace) -> int:
         return bad(
             "teach", str(exc).replace("num_neurons", "--neurons").replace("neurons_per_fact", "--neurons-per-fact")
         )
-    if config.init == "keyed" and len(facts) > config.num_neurons:
-        return bad("teach", f"{len(facts)} facts need at least as many neurons; --neurons is {config.num_neurons}")
+    if config.init == "keyed":
+        from resident_trainer.eval.teach import split_jobs
+
+        used = 0
+        for k, job in enumerate(split_jobs(facts, args.jobs), start=1):
+            per = neuron_share(len(job), config.num_neurons - used, config.neurons_per_fact)
+            if per < 1:
+                return bad(
+                    "teach",
+                    f"job {k} of {args.jobs} has {len(job)} facts and {config.num_neurons - used} free neurons "
+                    f"of --neurons {config.num_neurons} ({used} taken by the jobs before it at "
+                    f"--neurons-per-fact {config.neurons_per_fact}): raise --neurons or lower --neurons-per-fact",
+                )
+            used += per * len(job)
     return _teach_here(args, config, facts, controls, retract)
 
 
@@ -244,8 +262,7 @@ def _request(method: str, url: str, authority: str, body: dict | None = None, ti
 
 
 def _teach_server(args: argparse.Namespace, facts) -> int:
-    from resident_trainer.eval.locality import DEMO_FACTS
-    from resident_trainer.train import facts_to_json
+    from resident_trainer.train import TrainConfig, facts_to_json
 
     base = args.server.rstrip("/").removesuffix("/v1")
     if not base.startswith(("http://", "https://")):
@@ -253,9 +270,31 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
     authority = args.authority if args.authority is not None else os.environ.get("RESIDENT_TRAINER_AUTHORITY", "")
     if not authority:
         return bad("teach", "--authority (or RESIDENT_TRAINER_AUTHORITY) is needed to submit a job")
-    if facts is None:
-        facts = [dataclasses.replace(t.fact, key=t.key) for t in DEMO_FACTS]
-    body = {"facts": facts_to_json(facts), "steps": args.steps, "lr": args.lr}
+    # What only a job run here has: the server has its own block and scores nothing.
+    local = [
+        ("--controls", args.controls is not None),
+        ("--jobs", args.jobs != 1),
+        ("--report", args.report is not None),
+        ("--max-new-tokens", args.max_new_tokens != 24),
+        ("--baselines", args.baselines),
+        ("--layer", args.layer is not None),
+        ("--neurons", args.neurons != TrainConfig.num_neurons),
+        ("--seed", args.seed != TrainConfig.seed),
+    ]
+    for name, given in local:
+        if given:
+            return bad("teach", f"{name} is for a job run here; with --server the server's own settings hold")
+    if args.negatives < 0:
+        return bad("teach", f"--negatives must be >= 0, got {args.negatives}")
+    body: dict = {"steps": args.steps, "lr": args.lr, "negatives": args.negatives}
+    body["neurons_per_fact"] = args.neurons_per_fact
+    if args.retract is not None:
+        try:
+            body["retract"] = _lines(args.retract, "--retract")
+        except ValueError as exc:
+            return bad("teach", str(exc))
+    if args.facts is not None or args.retract is None:  # no file and no --retract: the demo facts
+        body["facts"] = facts_to_json(facts)
     try:
         status, reply = _request("POST", f"{base}/v1/jobs", authority, body)
     except (urllib.error.URLError, OSError) as exc:

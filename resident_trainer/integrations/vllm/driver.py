@@ -304,6 +304,10 @@ class JobRunner:
         root = os.path.join(self.config.receipts_dir, "jobs", rec.id)
         spec = JobSpec(rec.id, steps=rec.steps, root=root, authority=self.config.authority)
         settings = dict(rec.settings)
+        # Running from here: a cancel while the negatives are answered is
+        # honoured at the job's first boundary, not overwritten.
+        rec.state = "running"
+        self._gauges()
         negatives = await self._negatives(rec.facts, int(settings.pop("negatives", NEGATIVES)))
         retract = settings.pop("retract", [])
         # A retracted question becomes an anchor with its reply as served now:

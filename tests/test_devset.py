@@ -61,7 +61,8 @@ def test_the_capacity_set():
     assert len(facts) == 128 and capacity_facts(16) == facts[:16]
     frames = [_frame(f.question) if not f.question.startswith(("Who painted", "Who discovered")) else f.question.split()[1]
               for f in facts]  # fmt: skip
-    assert all(frames[i] == frames[i % 8] for i in range(128)) and len(set(frames[:8])) == 8  # 8 kinds x 16, interleaved
+    # 8 kinds x 16, interleaved
+    assert all(frames[i] == frames[i % 8] for i in range(128)) and len(set(frames[:8])) == 8
     assert all(f.subject and f.subject in f.question and f.subject in f.rewordings[0] for f in facts)
     assert all(f.key in f.answer and len(f.rewordings) == 1 for f in facts)
     keys = [f.key for f in facts]

@@ -121,6 +121,19 @@ def per_fact(n_facts: int, wanted: int) -> int:
     return min(len(SUBSTITUTES), max(wanted, -(-MIN_NEGATIVES // n_facts)))
 
 
+def _fit(before: str, sub: str) -> str:
+    """`sub` without its leading words that the text before the subject
+    already ends with ("the city of " + "the city of Rome" -> "Rome"), and
+    without its article after one ("a " + "the radio" -> "radio")."""
+    head, words = before.lower().split(), sub.split()
+    for k in range(len(words) - 1, 0, -1):
+        if [w.lower() for w in words[:k]] == head[len(head) - k :]:
+            return " ".join(words[k:])
+    if head and head[-1] in ("a", "an", "the") and len(words) > 1 and words[0].lower() in ("a", "an", "the"):
+        return " ".join(words[1:])
+    return sub
+
+
 def near_negatives(facts: Sequence[Fact], tokenizer, per_fact: int = 2, *, exclude: Sequence[str] = ()) -> list[str]:
     """Each fact's question with its subject replaced by
     `per_fact` real ones: distinct prompts, none equal to a fact's question or
@@ -135,8 +148,9 @@ def near_negatives(facts: Sequence[Fact], tokenizer, per_fact: int = 2, *, exclu
         subject = f.subject or subject_span(f.question, tokenizer)
         if subject not in f.question:
             continue
+        at = f.question.find(subject)
         for sub in _picks(f.question, per_fact):
-            neg = f.question.replace(subject, sub, 1)
+            neg = f.question[:at] + _fit(f.question[:at], sub) + f.question[at + len(subject) :]
             # A capitalized article at the start of a sentence stays capitalized.
             if neg and neg[0].islower():
                 neg = neg[0].upper() + neg[1:]

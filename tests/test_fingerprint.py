@@ -446,3 +446,28 @@ def test_gpu_impls_match_oracle(impl, dtype, gen):
 def test_gpu_table_matches_cpu():
     m = torch.nn.Transformer(d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=48)
     assert rt.fingerprint_tensors(m.cuda()).digest == rt.fingerprint_tensors(m.cpu()).digest
+
+
+def test_fingerprint_tensors_makes_one_kernel_call(monkeypatch, gen):
+    # A model's many small tensors go to the C++ kernel in one call (one
+    # parallel region); only a non-contiguous tensor takes its own path.
+    named = {f"t{i}": rand_tensor((i % 7, 3 + i % 5), DTYPES[i % len(DTYPES)], gen) for i in range(300)}
+    named["strided"] = rand_tensor((6, 8), torch.float32, gen)[:, ::2]
+    want = {n: rt.fingerprint(t, impl="reference") for n, t in named.items()}
+    calls = {"many": [], "one": 0}
+    ops = torch.ops.resident_trainer
+    many, one = ops.fingerprint_lanes_many, ops.fingerprint_lanes
+
+    def count_many(datas, offsets, *rest):
+        calls["many"].append(len(datas))
+        return many(datas, offsets, *rest)
+
+    def count_one(data, offset):
+        calls["one"] += 1
+        return one(data, offset)
+
+    monkeypatch.setattr(ops, "fingerprint_lanes_many", count_many)
+    monkeypatch.setattr(ops, "fingerprint_lanes", count_one)
+    table = rt.fingerprint_tensors(named, impl="cpu")
+    assert table.digests == want
+    assert calls == {"many": [sum(1 for t in named.values() if t.is_contiguous() and t.numel())], "one": 1}

@@ -390,12 +390,17 @@ def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, 
     else:
         raise TypeError(f"named must be a Mapping[str, Tensor] or an nn.Module, got {type(named).__name__}")
     metas, lanes, batch = [], [], []
+    # The implementation per device, resolved once: asking the dispatcher for
+    # every tensor costs more than hashing a small one.
+    resolved: dict[torch.device, str] = {}
     for name, t in items:
         if not isinstance(name, str):
             raise TypeError(f"named: keys must be str, got {type(name).__name__}")
         t = _check_tensor(t, f"named[{name!r}]")
         metas.append((name, t.dtype, tuple(t.shape)))
-        if _resolve_impl(impl, t.device) == "cpu" and t.is_contiguous() and t.numel():
+        if t.device not in resolved:
+            resolved[t.device] = _resolve_impl(impl, t.device)
+        if resolved[t.device] == "cpu" and t.is_contiguous() and t.numel():
             batch.append((len(lanes), t.reshape(-1).view(torch.uint8)))
             lanes.append(None)
         else:

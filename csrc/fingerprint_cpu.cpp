@@ -57,6 +57,16 @@ __attribute__((always_inline)) inline typename V::T mum_simd(typename V::T a, ty
   return V::xor_(V::blend_odd(pe, po), V::swap(V::blend_odd(po, pe)));
 }
 
+// The two lane terms of the words in w under the position keys in key.
+template <class V>
+__attribute__((always_inline)) inline void word_terms_simd(typename V::T w, typename V::T key, typename V::T m0,
+                                                            typename V::T m1, typename V::T& t0, typename V::T& t1) {
+  const typename V::T x = V::xor_(w, key);
+  const typename V::T l = V::xor_(key, mum_simd<V>(x, m0));
+  t1 = V::xor_(x, mum_simd<V>(l, m1));
+  t0 = V::add(l, V::rotl16(t1));
+}
+
 template <class V>
 __attribute__((always_inline)) inline void hash_run_simd(const unsigned char* p, int64_t n, uint32_t lo0,
                                                           uint32_t key_hi, uint32_t* out) {
@@ -69,13 +79,27 @@ __attribute__((always_inline)) inline void hash_run_simd(const unsigned char* p,
   const T step = V::set1((uint32_t)W * RT_FP_KEY_MUL);
   const T m0 = V::set1(RT_FP_MIX0_MUL), m1 = V::set1(RT_FP_MIX1_MUL);
   T s0 = V::set1(0), s1 = V::set1(0);
-  for (int64_t v = 0; v < nvec; ++v) {
-    const T x = V::xor_(V::load(p + 4 * W * v), k);
-    const T l = V::xor_(k, mum_simd<V>(x, m0));
-    const T r = V::xor_(x, mum_simd<V>(l, m1));
-    s0 = V::add(s0, V::add(l, V::rotl16(r)));
-    s1 = V::add(s1, r);
-    k = V::add(k, step);
+  // Two vectors per iteration: each word's chain is about twenty dependent
+  // operations long, and two independent chains side by side keep more of
+  // them in the scheduler (Zen 3, in L2: 13.5 GB/s per thread against 11.5
+  // one at a time; four at a time run out of AVX2's 16 registers: 12.5).
+  const T step2 = V::add(step, step);
+  T k2 = V::add(k, step);
+  int64_t v = 0;
+  for (; v + 2 <= nvec; v += 2) {
+    T a0, a1, b0, b1;
+    word_terms_simd<V>(V::load(p + 4 * W * v), k, m0, m1, a0, a1);
+    word_terms_simd<V>(V::load(p + 4 * W * (v + 1)), k2, m0, m1, b0, b1);
+    s0 = V::add(s0, V::add(a0, b0));
+    s1 = V::add(s1, V::add(a1, b1));
+    k = V::add(k, step2);
+    k2 = V::add(k2, step2);
+  }
+  if (v < nvec) {
+    T a0, a1;
+    word_terms_simd<V>(V::load(p + 4 * W * v), k, m0, m1, a0, a1);
+    s0 = V::add(s0, a0);
+    s1 = V::add(s1, a1);
   }
   uint32_t a0[W], a1[W];
   V::store(a0, s0);

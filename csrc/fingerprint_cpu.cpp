@@ -87,6 +87,12 @@ __attribute__((always_inline)) inline void hash_run_simd(const unsigned char* p,
   T k2 = V::add(k, step);
   int64_t v = 0;
   for (; v + 2 <= nvec; v += 2) {
+    // Twenty-odd operations per vector fill the out-of-order window before
+    // many loads are in flight, and the hardware prefetcher alone does not
+    // keep up: reading 8 KiB ahead takes a thread from 6.2-7.6 to 9.6-10.4
+    // GB/s on a 256 MiB buffer (Zen 3; 2-16 KiB ahead all help, 0.5 KiB
+    // less), and costs nothing in L2. Prefetches past the end do not fault.
+    for (int c = 0; c < 8 * W; c += 64) __builtin_prefetch(p + 4 * W * v + c + 8192);
     T a0, a1, b0, b1;
     word_terms_simd<V>(V::load(p + 4 * W * v), k, m0, m1, a0, a1);
     word_terms_simd<V>(V::load(p + 4 * W * (v + 1)), k2, m0, m1, b0, b1);

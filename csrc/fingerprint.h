@@ -16,9 +16,9 @@
 // always changes the lane pair. Sums are order-free: any tiling, grid or
 // thread count gives the same lanes, and shards combine by adding their lanes.
 // The only multiplies are 32x32->64 (vpmuludq on x86, one IMAD.WIDE.U32 on
-// NVIDIA), a single cheap instruction on every CPU and GPU in use, where the
-// version-1 mixers' 32-bit vpmulld costs two to three times as much on Intel
-// cores. The Python layer finalizes the two lanes with numel, dtype and shape
+// NVIDIA), one micro-op on Intel and AMD cores alike, where the version-1
+// mixers' four 32-bit multiplies per word (vpmulld) are two micro-ops of ten
+// cycles' latency each on Intel cores. The Python layer finalizes the two lanes with numel, dtype and shape
 // into the 64-bit digest.
 //
 // triton_kernels/fingerprint.py and the numpy oracle in

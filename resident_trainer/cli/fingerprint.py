@@ -41,7 +41,7 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
                 pass
         except (SafetensorError, OSError) as exc:
             return bad("fingerprint", f"{path}: not a readable .safetensors file ({exc})")
-    # Digests of different definition versions never match: say which this is.
+    # Digests of different definition versions are unrelated: say which this is.
     print(f"# fingerprint definition version {FINGERPRINT_VERSION}")
     for path in args.files:
         with safe_open(path, framework="pt") as f:

@@ -1,16 +1,25 @@
-// Fingerprint mixer and constants, shared by the C++ CPU and CUDA kernels.
+// Fingerprint mixer and constants (definition version 2), shared by the C++
+// CPU and CUDA kernels.
 //
-// Digest of a byte string B (a tensor's row-major contents) hashed as a shard
-// starting at global 32-bit word index `word_offset`:
-//   w[i]   = little-endian uint32 of bytes 4i..4i+3 of B, zero-padded at the end
-//   g      = word_offset + i                (64-bit: no wrap above 16 GiB)
-//   lane0 += fmix32(w[i] ^ (lo(g) * KEY0_MUL + fmix32(hi(g) ^ HI_SEED0)))
-//   lane1 += lowbias32(w[i] + (lo(g) * KEY1_MUL + lowbias32(hi(g) ^ HI_SEED1)))
-// with all arithmetic mod 2^32. Each term is a bijection of w[i] for a fixed
-// position, so one changed word always changes both lane sums, and sums are
-// order-free: any tiling, grid or thread count gives the same lanes, and
-// shards combine by adding their lanes. The Python layer finalizes the two
-// lanes with numel, dtype and shape into the 64-bit digest.
+// Lane sums of a byte string B (a tensor's row-major contents) hashed as a
+// shard starting at global 32-bit word index `word_offset`:
+//   w[i]  = little-endian uint32 of bytes 4i..4i+3 of B, zero-padded at the end
+//   g     = word_offset + i              (64-bit: no wrap above 16 GiB)
+//   k     = lo(g) * KEY_MUL + mum(hi(g) ^ HI_SEED, HI_MUL)
+//   two Feistel rounds on the halves (L, R) = (k, w ^ k):
+//     (L, R) -> (R, L ^ mum(R, MIXr_MUL)),  r = 0, 1
+//   lane0 += L + rotl(R, 16), lane1 += R    (mod 2^32 each)
+// where mum(a, m) = lo32(a * m) ^ hi32(a * m) of the exact 64-bit product.
+// A Feistel round is a bijection of (L, R) whatever its round function, and
+// so is (L, R) -> (L + rotl(R, 16), R); for a fixed position
+// w -> (lane0 term, lane1 term) is therefore injective: one changed word
+// always changes the lane pair. Sums are order-free: any tiling, grid or
+// thread count gives the same lanes, and shards combine by adding their lanes.
+// The only multiplies are 32x32->64 (vpmuludq on x86, one IMAD.WIDE.U32 on
+// NVIDIA), one micro-op on Intel and AMD cores alike, where the version-1
+// mixers' four 32-bit multiplies per word (vpmulld) are two micro-ops of ten
+// cycles' latency each on Intel cores. The Python layer finalizes the two lanes with numel, dtype and shape
+// into the 64-bit digest.
 //
 // triton_kernels/fingerprint.py and the numpy oracle in
 // resident_trainer/ops/fingerprint.py restate these constants; a test parses
@@ -24,42 +33,37 @@
 #define RT_FP_INLINE static inline
 #endif
 
-#define RT_FP_KEY0_MUL 0x9E3779B1u
-#define RT_FP_KEY1_MUL 0x85EBCA77u
-#define RT_FP_HI_SEED0 0x27D4EB2Fu
-#define RT_FP_HI_SEED1 0x165667B1u
+#define RT_FP_VERSION 2
 
-// murmur3 finalizer: invertible, full avalanche.
-RT_FP_INLINE uint32_t rt_fp_fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return h;
+#define RT_FP_KEY_MUL 0x9E3779B1u
+#define RT_FP_HI_SEED 0x27D4EB2Fu
+#define RT_FP_HI_MUL 0x165667B1u
+#define RT_FP_MIX0_MUL 0xC2B2AE3Du
+#define RT_FP_MIX1_MUL 0x7FEB352Du
+
+// Fold of the exact 64-bit product: both halves, so every input bit reaches
+// every output bit's neighbourhood (the low half alone never moves bits down).
+RT_FP_INLINE uint32_t rt_fp_mum(uint32_t a, uint32_t m) {
+  const uint64_t p = (uint64_t)a * m;
+  return (uint32_t)p ^ (uint32_t)(p >> 32);
 }
 
-// "lowbias32" (C. Wellons' hash prospector): invertible, lower bias than
-// fmix32, and different multipliers so the two lanes fail independently.
-RT_FP_INLINE uint32_t rt_fp_lowbias32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  h ^= h >> 16;
-  return h;
-}
+// Key of the high 32 bits of the word index (constant over 2^32 words).
+RT_FP_INLINE uint32_t rt_fp_key_hi(uint32_t hi) { return rt_fp_mum(hi ^ RT_FP_HI_SEED, RT_FP_HI_MUL); }
 
-// Per-run key of the high 32 bits of the word index (constant over 2^32 words).
-RT_FP_INLINE uint32_t rt_fp_key0_hi(uint32_t hi) { return rt_fp_fmix32(hi ^ RT_FP_HI_SEED0); }
-RT_FP_INLINE uint32_t rt_fp_key1_hi(uint32_t hi) { return rt_fp_lowbias32(hi ^ RT_FP_HI_SEED1); }
+RT_FP_INLINE uint32_t rt_fp_rotl16(uint32_t x) { return (x << 16) | (x >> 16); }
 
-RT_FP_INLINE uint32_t rt_fp_lane0(uint32_t w, uint32_t lo, uint32_t key0_hi) {
-  return rt_fp_fmix32(w ^ (lo * RT_FP_KEY0_MUL + key0_hi));
-}
-
-RT_FP_INLINE uint32_t rt_fp_lane1(uint32_t w, uint32_t lo, uint32_t key1_hi) {
-  return rt_fp_lowbias32(w + (lo * RT_FP_KEY1_MUL + key1_hi));
+// The two lane terms of word w under position key k. After two rounds L has
+// passed through one product only: summed as is, two words' single-bit
+// changes cancel in an 8-bit window of both lanes 4 to 8 times as often as
+// uniform terms would (measured); adding the rotated R to it brings that to
+// uniform, as a third round does, for one operation instead of eight.
+RT_FP_INLINE void rt_fp_word(uint32_t w, uint32_t k, uint32_t* t0, uint32_t* t1) {
+  const uint32_t x = w ^ k;
+  const uint32_t l = k ^ rt_fp_mum(x, RT_FP_MIX0_MUL);
+  const uint32_t r = x ^ rt_fp_mum(l, RT_FP_MIX1_MUL);
+  *t0 = l + rt_fp_rotl16(r);
+  *t1 = r;
 }
 
 // Little-endian word from the last 1..3 bytes of a buffer, zero-padded.

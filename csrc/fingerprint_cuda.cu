@@ -11,9 +11,10 @@ namespace {
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ void add_word(uint32_t w, uint64_t g, uint32_t& s0, uint32_t& s1) {
-  const uint32_t hi = (uint32_t)(g >> 32);
-  s0 += rt_fp_lane0(w, (uint32_t)g, rt_fp_key0_hi(hi));
-  s1 += rt_fp_lane1(w, (uint32_t)g, rt_fp_key1_hi(hi));
+  uint32_t t0, t1;
+  rt_fp_word(w, (uint32_t)g * RT_FP_KEY_MUL + rt_fp_key_hi((uint32_t)(g >> 32)), &t0, &t1);
+  s0 += t0;
+  s1 += t1;
 }
 
 // data is 4-byte aligned. Words before the first 16-byte boundary and after the

@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "HAS_C": "resident_trainer._ext",
     "HAS_TRITON": "resident_trainer._ext",
+    "FINGERPRINT_VERSION": "resident_trainer.ops.fingerprint_version",
     "FingerprintTable": "resident_trainer.ops.fingerprint",
     "combine_partials": "resident_trainer.ops.fingerprint",
     "fingerprint": "resident_trainer.ops.fingerprint",

@@ -83,3 +83,29 @@ def test_no_call_without_the_authority():
     made = []
     out = drive(_job(MemoryFileSystem(), authority="guess"), lambda c: made.append(c) or [])
     assert out.verdict is Verdict.CANCEL and made == []
+
+
+def test_the_receipt_records_the_fingerprint_version_and_ranks_must_agree_on_it():
+    from resident_trainer.protocol.records import read_jsonl
+
+    def engine(versions):
+        def call(c: Call):
+            extra = {"rt_begin": {"fingerprint": "f"}, "rt_verify": {"fingerprint": "f"}, "rt_step": {"loss": 0.5},
+                     "rt_checkpoint": {"shard": "s"}}.get(c.method, {})  # fmt: skip
+            out = [{"rank": r, "error": None, **extra} for r in range(2)]
+            if c.method == "rt_begin":
+                for r, v in zip(out, versions):
+                    r["fingerprint_version"] = v
+            return out
+
+        return call
+
+    fs = MemoryFileSystem()
+    job = _job(fs)
+    assert drive(job, engine([2, 2])).verdict is Verdict.PUBLISH
+    assert job.progress.fingerprint_version == 2
+    (receipt,) = read_jsonl(fs, "/r/rank0/receipts.jsonl")
+    assert (receipt["fingerprint_before"], receipt["fingerprint_version"]) == ("f", 2)
+    out = drive(_job(MemoryFileSystem()), engine([2, 1]))
+    assert out.verdict is Verdict.CANCEL
+    assert out.reasons == ("the ranks compute different fingerprint versions: ['1', '2']",)

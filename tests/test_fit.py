@@ -9,7 +9,7 @@ import torch
 
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
-from resident_trainer.ops.fingerprint import fingerprint_tensors
+from resident_trainer.ops.fingerprint import FINGERPRINT_VERSION, fingerprint_tensors
 from resident_trainer.train import (
     AddedSharedNeurons,
     Fact,
@@ -22,6 +22,7 @@ from resident_trainer.train import (
     generate_greedy_ids,
     load_checkpoint,
     make_anchors,
+    read_checkpoint,
     rewordings,
     save_checkpoint,
 )
@@ -102,6 +103,36 @@ def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
     got = tr2.step()["loss"]
     assert got == want
     assert torch.equal(block2.w_down, want_w)
+
+
+def test_checkpoint_refuses_another_fingerprint_version(tmp_path):
+    # A base fingerprint of another definition version cannot be compared with
+    # this build's: the error names the file, both versions and what to do.
+    from safetensors.torch import save_file
+
+    _, _, _, tr = setup()
+    tr.step(0)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(tr, path)
+    tensors, meta = read_checkpoint(path.read_bytes())
+    assert meta["fingerprint_version"] == str(FINGERPRINT_VERSION) == "2"
+    for version, stated in [
+        (None, "version 1 (the checkpoint records no version)"),
+        ("1", "version 1"),
+        ("3", "version 3"),
+    ]:
+        old = tmp_path / f"v{version}.safetensors"
+        save_file(tensors, str(old), metadata={k: v for k, v in meta.items() if k != "fingerprint_version"})
+        if version is not None:
+            save_file(tensors, str(old), metadata={**meta, "fingerprint_version": version})
+        with pytest.raises(ValueError) as err:
+            load_checkpoint(tr, old)
+        msg = str(err.value)
+        assert msg.startswith(
+            f"{old}: its base fingerprint {meta['base_fingerprint']} is of fingerprint definition {stated},"
+        )
+        assert "this build computes version 2" in msg and "re-train the job" in msg
+    load_checkpoint(tr, path)  # its own version loads
 
 
 def test_checkpoint_refuses_another_base_and_writes_atomically(tmp_path, monkeypatch):

@@ -51,11 +51,12 @@ def test_public_surface():
     from resident_trainer.ops import added_expert, fingerprint, linear_cross_entropy
 
     assert set(rt.__all__) == {
-        "HAS_C", "HAS_TRITON", "FingerprintTable", "combine_partials", "fingerprint", "fingerprint_partial",
+        "HAS_C", "HAS_TRITON", "FINGERPRINT_VERSION", "FingerprintTable", "combine_partials", "fingerprint", "fingerprint_partial",
         "fingerprint_sharded", "fingerprint_tensors", "linear_cross_entropy", "linear_cross_entropy_reference",
         "added_expert", "added_expert_reference",
     }  # fmt: skip
     assert rt.fingerprint is fingerprint.fingerprint
+    assert rt.FINGERPRINT_VERSION == fingerprint.FINGERPRINT_VERSION
     assert rt.linear_cross_entropy is linear_cross_entropy.linear_cross_entropy
     assert rt.added_expert is added_expert.added_expert
     assert rt.__version__ == re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
@@ -119,7 +120,8 @@ def test_cli_help_and_fingerprint_command(tmp_path, capsys):
     save_file(tensors, str(path))
     assert cli.main(["fingerprint", "-v", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"{rt.fingerprint_tensors(tensors).hex}  {path}"
+    assert lines[0] == "# fingerprint definition version 2"
+    assert lines[1] == f"{rt.fingerprint_tensors(tensors).hex}  {path}"
     assert f"  {rt.fingerprint(tensors['b']):016x}  b" in lines
 
 

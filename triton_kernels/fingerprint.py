@@ -1,39 +1,28 @@
 """Triton fingerprint kernel: the two 32-bit lane sums of a byte buffer.
 
-Restates the constants and mixers of csrc/fingerprint.h (a test checks that
-they agree). Each program hashes BLOCK consecutive words and writes its two
-partial sums; the launcher adds the partials. Wrap-around sums commute, so the
-result is the same for every BLOCK and grid.
+Restates the constants and the mixer of csrc/fingerprint.h (definition
+version 2; a test checks that they agree). Each program hashes BLOCK
+consecutive words and writes its two partial sums; the launcher adds the
+partials. Wrap-around sums commute, so the result is the same for every BLOCK
+and grid.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-KEY0_MUL: tl.constexpr = tl.constexpr(0x9E3779B1)
-KEY1_MUL: tl.constexpr = tl.constexpr(0x85EBCA77)
-HI_SEED0: tl.constexpr = tl.constexpr(0x27D4EB2F)
-HI_SEED1: tl.constexpr = tl.constexpr(0x165667B1)
+KEY_MUL: tl.constexpr = tl.constexpr(0x9E3779B1)
+HI_SEED: tl.constexpr = tl.constexpr(0x27D4EB2F)
+HI_MUL: tl.constexpr = tl.constexpr(0x165667B1)
+MIX0_MUL: tl.constexpr = tl.constexpr(0xC2B2AE3D)
+MIX1_MUL: tl.constexpr = tl.constexpr(0x7FEB352D)
 
 
 @triton.jit
-def _fmix32(h):
-    h ^= h >> 16
-    h *= 0x85EBCA6B
-    h ^= h >> 13
-    h *= 0xC2B2AE35
-    h ^= h >> 16
-    return h
-
-
-@triton.jit
-def _lowbias32(h):
-    h ^= h >> 16
-    h *= 0x7FEB352D
-    h ^= h >> 15
-    h *= 0x846CA68B
-    h ^= h >> 16
-    return h
+def _mum(a, m: tl.constexpr):
+    # lo32 ^ hi32 of the exact product of two uint32 values (one wide multiply).
+    p = a.to(tl.uint64) * tl.full(a.shape, m, tl.uint64)
+    return (p ^ (p >> 32)).to(tl.uint32)
 
 
 @triton.jit
@@ -52,11 +41,14 @@ def _fingerprint_kernel(
     g = j + word_offset
     lo = (g & 0xFFFFFFFF).to(tl.uint32)
     hi = (g >> 32).to(tl.uint32)
-    k0 = lo * KEY0_MUL + _fmix32(hi ^ HI_SEED0)
-    k1 = lo * KEY1_MUL + _lowbias32(hi ^ HI_SEED1)
+    k = lo * KEY_MUL + _mum(hi ^ HI_SEED, HI_MUL)
+    # Two Feistel rounds on (k, w ^ k), then L + rotl(R, 16); see csrc/fingerprint.h.
+    x = w ^ k
+    left = k ^ _mum(x, MIX0_MUL)
+    right = x ^ _mum(left, MIX1_MUL)
     zero = tl.zeros_like(w)
-    s0 = tl.sum(tl.where(mask, _fmix32(w ^ k0), zero), axis=0)
-    s1 = tl.sum(tl.where(mask, _lowbias32(w + k1), zero), axis=0)
+    s0 = tl.sum(tl.where(mask, left + ((right << 16) | (right >> 16)), zero), axis=0)
+    s1 = tl.sum(tl.where(mask, right, zero), axis=0)
     tl.store(partial_ptr + 2 * pid, s0.to(tl.int64))
     tl.store(partial_ptr + 2 * pid + 1, s1.to(tl.int64))
 

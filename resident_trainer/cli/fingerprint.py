@@ -14,8 +14,9 @@ def add_parser(sub) -> None:
         "fingerprint",
         help="fingerprint the tensors of .safetensors files",
         description="Print the combined 64-bit fingerprint of each .safetensors file "
-        "(per tensor with -v). Identical to what the trainer records in its receipts, and to what "
-        "a server reports for the model it serves from that file.",
+        "(per tensor with -v), after a first line naming the fingerprint definition's version. "
+        "Identical to what the trainer records in its receipts, and to what a server reports for the "
+        "model it serves from that file, when those record the same version.",
     )
     f.add_argument("files", nargs="+", help=".safetensors files")
     f.add_argument("-v", "--verbose", action="store_true", help="also print every tensor's digest")
@@ -23,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    from resident_trainer import fingerprint_tensors
+    from resident_trainer import FINGERPRINT_VERSION, fingerprint_tensors
 
     try:
         from safetensors import SafetensorError, safe_open
@@ -40,6 +41,8 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
                 pass
         except (SafetensorError, OSError) as exc:
             return bad("fingerprint", f"{path}: not a readable .safetensors file ({exc})")
+    # Digests of different definition versions are unrelated: say which this is.
+    print(f"# fingerprint definition version {FINGERPRINT_VERSION}")
     for path in args.files:
         with safe_open(path, framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 
 from resident_trainer.cli._common import bad, have_extension
+from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION
 
 
 def add_parser(sub) -> None:
@@ -215,6 +216,7 @@ def _teach_here(args, config, facts, controls, retract) -> int:
     unchanged = not FrozenFingerprint.changed(base, frozen.tables())
     report["base_unchanged"] = unchanged
     report["base_fingerprint"] = base["frozen"].hex
+    report["fingerprint_version"] = FINGERPRINT_VERSION
     report["settings"] = {**dataclasses.asdict(config), "negatives": args.negatives, "jobs": args.jobs}
     print()
     for f in report["facts"]:

@@ -4,14 +4,19 @@ Read bottom-up: the numpy oracle, the finalizer shared by every path, the
 byte views, the dispatch to the kernels (C++ CPU, CUDA, Triton), then the
 public functions.
 
-Definition (also in docs/FINGERPRINT.md and csrc/fingerprint.h): the tensor's
-row-major bytes are read as little-endian 32-bit words, zero-padded at the
-end. Word i of a shard that starts at global word g0 adds
-``fmix32(w ^ key0(g0 + i))`` to lane 0 and ``lowbias32(w + key1(g0 + i))`` to
-lane 1, mod 2^32, with 64-bit positions. The digest absorbs both lanes, the
-dtype, numel and the shape into a splitmix64 chain. Because the lanes are
-plain sums, the digest is identical for every tiling, grid, thread count and
-device, and shards hashed at their global offsets add up to the whole tensor.
+Definition version 2 (also in docs/FINGERPRINT.md and csrc/fingerprint.h):
+the tensor's row-major bytes are read as little-endian 32-bit words,
+zero-padded at the end. Word w at 64-bit global word index g (a shard that
+starts at global word g0 hashes its word i at g = g0 + i) has the position
+key ``k = lo(g) * KEY_MUL + mum(hi(g) ^ HI_SEED, HI_MUL)`` and goes through
+two Feistel rounds ``(L, R) -> (R, L ^ mum(R, MIXr_MUL))`` from
+``(L, R) = (k, w ^ k)``; ``L + rotl(R, 16)`` is added to lane 0 and R to
+lane 1, mod 2^32.
+``mum(a, m)`` folds the exact 64-bit product: ``lo32(a*m) ^ hi32(a*m)``. The
+digest absorbs both lanes, the dtype, numel and the shape into a splitmix64
+chain. Because the lanes are plain sums, the digest is identical for every
+tiling, grid, thread count and device, and shards hashed at their global
+offsets add up to the whole tensor.
 """
 
 from __future__ import annotations
@@ -24,18 +29,21 @@ import numpy as np
 import torch
 
 from resident_trainer import _ext
+from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION  # noqa: F401  (re-exported)
 
 # --- constants (restated from csrc/fingerprint.h; a test parses the header) ---
-KEY0_MUL = 0x9E3779B1
-KEY1_MUL = 0x85EBCA77
-HI_SEED0 = 0x27D4EB2F
-HI_SEED1 = 0x165667B1
+KEY_MUL = 0x9E3779B1
+HI_SEED = 0x27D4EB2F
+HI_MUL = 0x165667B1
+MIX0_MUL = 0xC2B2AE3D
+MIX1_MUL = 0x7FEB352D
 
 MASK32 = 0xFFFFFFFF
 MASK64 = 0xFFFFFFFFFFFFFFFF
 _GOLDEN64 = 0x9E3779B97F4A7C15
-_TENSOR_TAG = 0x52545450_46500001  # "RTTPFP" v1: tensor digest
-_TABLE_TAG = 0x52545450_46500002  # table digest
+# "RTTPFP", then the definition version and the kind (01 tensor, 02 table).
+_TENSOR_TAG = 0x52545450_46500201
+_TABLE_TAG = 0x52545450_46500202
 
 IMPLS = ("auto", "cpu", "cuda", "triton", "reference")
 
@@ -43,20 +51,9 @@ IMPLS = ("auto", "cpu", "cuda", "triton", "reference")
 # --- the oracle: plain numpy, any speed ---------------------------------------
 
 
-def _fmix32_np(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
-
-
-def _lowbias32_np(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x7FEB352D)
-    h = h ^ (h >> np.uint32(15))
-    h = h * np.uint32(0x846CA68B)
-    return h ^ (h >> np.uint32(16))
+def _mum_np(a: np.ndarray, m: int) -> np.ndarray:
+    p = a.astype(np.uint64) * np.uint64(m)
+    return ((p & np.uint64(MASK32)) ^ (p >> np.uint64(32))).astype(np.uint32)
 
 
 def fingerprint_lanes_reference(data: np.ndarray | bytes, word_offset: int = 0) -> tuple[int, int]:
@@ -75,10 +72,13 @@ def fingerprint_lanes_reference(data: np.ndarray | bytes, word_offset: int = 0) 
         g = np.arange(w.size, dtype=np.uint64) + np.uint64(word_offset + start)
         lo = (g & np.uint64(MASK32)).astype(np.uint32)
         hi = (g >> np.uint64(32)).astype(np.uint32)
-        k0 = lo * np.uint32(KEY0_MUL) + _fmix32_np(hi ^ np.uint32(HI_SEED0))
-        k1 = lo * np.uint32(KEY1_MUL) + _lowbias32_np(hi ^ np.uint32(HI_SEED1))
-        s0 += int(_fmix32_np(w ^ k0).astype(np.uint64).sum())
-        s1 += int(_lowbias32_np(w + k1).astype(np.uint64).sum())
+        k = lo * np.uint32(KEY_MUL) + _mum_np(hi ^ np.uint32(HI_SEED), HI_MUL)
+        left, right = k, w ^ k
+        for mul in (MIX0_MUL, MIX1_MUL):
+            left, right = right, left ^ _mum_np(right, mul)
+        rot = (right << np.uint32(16)) | (right >> np.uint32(16))
+        s0 += int((left + rot).astype(np.uint64).sum())
+        s1 += int(right.astype(np.uint64).sum())
     return s0 & MASK32, s1 & MASK32
 
 
@@ -158,6 +158,14 @@ def _byte_chunks(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> Iterator[t
 
 
 # --- dispatch -------------------------------------------------------------------
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The instruction sets the C++ CPU kernel runs on this machine, widest
+    first ("avx512", "avx2", "scalar"); impl="cpu" uses the first. Every one
+    gives the same lanes."""
+    _ext.require_extension("fingerprint (impl='cpu')")
+    return tuple(torch.ops.resident_trainer.fingerprint_cpu_isas().split(","))
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
@@ -382,12 +390,17 @@ def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, 
     else:
         raise TypeError(f"named must be a Mapping[str, Tensor] or an nn.Module, got {type(named).__name__}")
     metas, lanes, batch = [], [], []
+    # The implementation per device, resolved once: asking the dispatcher for
+    # every tensor costs more than hashing a small one.
+    resolved: dict[torch.device, str] = {}
     for name, t in items:
         if not isinstance(name, str):
             raise TypeError(f"named: keys must be str, got {type(name).__name__}")
         t = _check_tensor(t, f"named[{name!r}]")
         metas.append((name, t.dtype, tuple(t.shape)))
-        if _resolve_impl(impl, t.device) == "cpu" and t.is_contiguous() and t.numel():
+        if t.device not in resolved:
+            resolved[t.device] = _resolve_impl(impl, t.device)
+        if resolved[t.device] == "cpu" and t.is_contiguous() and t.numel():
             batch.append((len(lanes), t.reshape(-1).view(torch.uint8)))
             lanes.append(None)
         else:

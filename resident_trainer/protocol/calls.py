@@ -73,6 +73,7 @@ class Progress:
     loss: float | None = None
     fingerprint_before: str | None = None
     fingerprint_after: str | None = None
+    fingerprint_version: int | None = None  # the definition the ranks' digests are of
     reasons: list[str] = field(default_factory=list)
 
 
@@ -181,6 +182,7 @@ class CallJob:
             steps=p.step,
             fingerprint_before=p.fingerprint_before,
             fingerprint_after=p.fingerprint_after,
+            fingerprint_version=p.fingerprint_version,
             shards={str(r): d for r, d in sorted(self.shards.items())},
             version=self.version if verdict is Verdict.PUBLISH else None,
         )
@@ -211,8 +213,12 @@ class CallJob:
         if not reasons and len(prints) != 1:
             reasons.append(f"the ranks' base fingerprints differ: {sorted(str(x) for x in prints)}")
             self.needs_restart = True
+        versions = {r.get("fingerprint_version") for r in results}
+        if not reasons and len(versions) != 1:
+            reasons.append(f"the ranks compute different fingerprint versions: {sorted(str(x) for x in versions)}")
         if not reasons:
             p.fingerprint_before = next(iter(prints))
+            p.fingerprint_version = next(iter(versions))
         reasons += self._local_reasons()
         if reasons:
             return (yield from self._abort(Verdict.CANCEL, reasons))

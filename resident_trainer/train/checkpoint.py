@@ -1,6 +1,7 @@
 """The block's checkpoint: this rank's shard of the added neurons (trainable
 and published copies, gate thresholds, what it was taught) and its optimizer state, as
-safetensors with the base model's fingerprint in the metadata."""
+safetensors with the base model's fingerprint (and the version of the
+fingerprint definition that computed it) in the metadata."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 from resident_trainer._files import write_atomic
+from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION
 
 if TYPE_CHECKING:
     from resident_trainer.train.trainer import Trainer
@@ -36,6 +38,7 @@ def _checkpoint_tensors(trainer: Trainer) -> tuple[dict[str, Tensor], dict[str, 
         "format": CHECKPOINT_FORMAT,
         "config": json.dumps(asdict(trainer.config)),
         "base_fingerprint": trainer.base_fingerprint.hex,
+        "fingerprint_version": str(FINGERPRINT_VERSION),
         "step": str(trainer.step_index),
         "threshold": json.dumps(block.threshold),
         "published_threshold": json.dumps(block.published_threshold),
@@ -77,6 +80,22 @@ def read_checkpoint(data: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
     return load(bytes(data)), meta
 
 
+def check_fingerprint_version(meta: dict[str, str], path: str) -> None:
+    """Refuse a checkpoint whose base fingerprint was computed by another
+    version of the fingerprint definition: it cannot be compared with this
+    build's digest of the base, so the base check cannot be made."""
+    have = meta.get("fingerprint_version")
+    if have != str(FINGERPRINT_VERSION):
+        stated = f"version {have}" if have is not None else "version 1 (the checkpoint records no version)"
+        raise ValueError(
+            f"{path}: its base fingerprint {meta.get('base_fingerprint')} is of fingerprint definition {stated}, "
+            f"this build computes version {FINGERPRINT_VERSION}, so the base model it was trained on cannot be "
+            "checked. The block weights in it may be fine, but loaded unchecked they could land on another base: "
+            f"re-train the job with this build (its checkpoints record version {FINGERPRINT_VERSION}), or load "
+            "the checkpoint with the resident-trainer release that wrote it"
+        )
+
+
 def load_block(block, data: bytes, *, publish: bool = False) -> dict[str, str]:
     """Put a checkpoint's block weights (trainable and published copies,
     thresholds) into `block`, which must hold the same shard of the same
@@ -114,6 +133,7 @@ def load_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
         tensors, meta = read_checkpoint(data)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+    check_fingerprint_version(meta, path)
     if meta.get("base_fingerprint") != trainer.base_fingerprint.hex:
         raise ValueError(
             f"{path} was trained on a base model with fingerprint {meta.get('base_fingerprint')}, "

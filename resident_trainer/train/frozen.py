@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from resident_trainer.ops.fingerprint import FingerprintTable, fingerprint_tensors
+from resident_trainer.ops.fingerprint import FINGERPRINT_VERSION, FingerprintTable, fingerprint_tensors
 
 Tensors = Mapping[str, torch.Tensor] | torch.nn.Module
 
@@ -23,13 +23,15 @@ class FrozenWeightsChanged(RuntimeError):
 
 
 class FrozenFingerprint:
-    """Callable returning ``{"frozen": hex, "watch": hex}``.
+    """Callable returning ``{"frozen": hex, "watch": hex, "version": "2"}``.
 
     frozen: every tensor that must never change (a module, or a name ->
     tensor mapping); watch: one layer's tensors, fingerprinted on their own so
     a receipt shows at a glance whether that layer moved. `last` keeps the
     most recent tables, so a mismatch can be traced to tensor names
-    (`changed`)."""
+    (`changed`). "version" is the fingerprint definition's version
+    (FINGERPRINT_VERSION), so a receipt says which definition its digests
+    are of."""
 
     def __init__(self, frozen: Tensors, watch: Tensors | None = None, *, impl: str = "auto") -> None:
         if not isinstance(frozen, (Mapping, torch.nn.Module)):
@@ -49,7 +51,7 @@ class FrozenFingerprint:
         return out
 
     def __call__(self) -> dict[str, str]:
-        return {k: t.hex for k, t in self.tables().items()}
+        return {**{k: t.hex for k, t in self.tables().items()}, "version": str(FINGERPRINT_VERSION)}
 
     def check(self, before: Mapping[str, FingerprintTable]) -> dict[str, FingerprintTable]:
         """Fingerprint now and raise FrozenWeightsChanged, naming the tensors,

@@ -5,7 +5,7 @@ plugin, entry point ``vllm.endpoint_plugins``; vLLM loads it only when
 | route | does |
 |---|---|
 | ``POST /v1/jobs`` | queue a job: ``{"facts": [{"question", "answer", ...}], "retract": [question, ...], "steps": N, <settings>}`` -> 202 ``{"id"}`` |
-| ``GET /v1/jobs/{id}`` | ``{"state", "step", "steps", "loss", "fingerprint_before", "fingerprint_after", "error", ...}`` |
+| ``GET /v1/jobs/{id}`` | ``{"state", "step", "steps", "loss", "fingerprint_before", "fingerprint_after", "fingerprint_version", "error", ...}`` |
 | ``GET /v1/jobs`` | every job's status |
 | ``DELETE /v1/jobs/{id}`` | cancel: a queued job at once, a running one at its next boundary |
 | ``GET /v1/trainer`` | the base fingerprint, what every rank serves now, and the questions the served block was taught (``taught``) |
@@ -95,6 +95,7 @@ async def trainer_status(request: Request):
     return JSONResponse(
         {
             "fingerprint": runner.fingerprint,
+            "fingerprint_version": runner.fingerprint_version,
             "served": runner.served_version,
             "ranks": [
                 {k: r.get(k) for k in ("rank", "version", "served_sum", "job", "budget", "error")} for r in ranks

@@ -157,6 +157,7 @@ class JobRecord:
             "loss": p.loss if p else None,
             "fingerprint_before": p.fingerprint_before if p else None,
             "fingerprint_after": p.fingerprint_after if p else None,
+            "fingerprint_version": p.fingerprint_version if p else None,
             "error": self.error,
             "version": self.version,
             "step_seconds_max": round(max(self.times), 4) if self.times else None,
@@ -262,6 +263,10 @@ class JobRunner:
     @property
     def fingerprint(self) -> str | None:
         return self.info[0]["fingerprint"] if self.info else None
+
+    @property
+    def fingerprint_version(self) -> int | None:
+        return self.info[0].get("fingerprint_version") if self.info else None
 
     # --- jobs -------------------------------------------------------------------------
 

@@ -33,6 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Reported next to every digest: a digest is only comparable with one of the
+# same definition version.
+from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION
+
 FINGERPRINT_IMPL = "auto"
 
 
@@ -157,6 +161,7 @@ class ResidentWorker:
             "vocab": list(adapter.vocab_shard),
             "world": world,
             "fingerprint": self._rt.base.hex,
+            "fingerprint_version": FINGERPRINT_VERSION,
         }
 
     def _rt_checkpoint_table(self):
@@ -205,7 +210,11 @@ class ResidentWorker:
         st.job = dict(job)
         before = self._rt_checkpoint_table()
         st.job["fingerprint_before"] = before
-        return {"fingerprint": before.hex, "examples": len(st.trainer.examples)}
+        return {
+            "fingerprint": before.hex,
+            "fingerprint_version": FINGERPRINT_VERSION,
+            "examples": len(st.trainer.examples),
+        }
 
     @_guarded
     def rt_step(self, index: int) -> dict:
@@ -241,7 +250,12 @@ class ResidentWorker:
             local = [str(exc)]  # reported, not raised: the driver compares every rank's digest
         after = self._rt_checkpoint_table()
         changed = after.changed(st.job["fingerprint_before"])
-        return {"fingerprint": after.hex, "changed": changed[:8], "local": local}
+        return {
+            "fingerprint": after.hex,
+            "fingerprint_version": FINGERPRINT_VERSION,
+            "changed": changed[:8],
+            "local": local,
+        }
 
     @_guarded
     def rt_checkpoint(self, root: str, group: str, serial: int) -> dict:

@@ -1,6 +1,7 @@
 // CPU kernels of linear cross-entropy: the elementwise work on one logit tile,
 // fused so that each row is read and written once while it sits in L1/L2.
-// The GEMMs stay in MKL (through at::mm in Python); these replace the five to
+// The GEMMs stay in MKL or oneDNN (resident_trainer/ops/_gemm.py picks the
+// faster on the CPU it runs on); these replace the five to
 // eight separate torch passes (tanh, max, sub, exp, sum, mul ...) per tile,
 // each a parallel region of its own over a tile larger than L2.
 //

@@ -144,9 +144,17 @@ class Partials:
 
 
 # Vocabulary tile and token block of the CPU path: 1024-row vocabulary tiles
-# against up to 2048 tokens keep the fp32 logit tile at 8 MiB, within L3. On
-# this 2-core AMD EPYC the tile products ran at 186 GFLOP/s (T=1024) against
-# 170-181 for T=2048-8192 through MKL, and at 330+ through oneDNN (_gemm.py).
+# against up to 2048 tokens keep the fp32 logit tile at 8 MiB, within L3 (32
+# MiB on the Zen 3 and Zen 5 EPYCs measured). On a 2-core Zen 5 the tile
+# products ran at 186 GFLOP/s (T=1024) against 170-181 for T=2048-8192 through
+# MKL, and at 330+ through oneDNN. Side by side on a 2-core Zen 3 (N=2048,
+# D=576, V=8192 fp32, forward + backward, median of 5 interleaved runs, the
+# machine loaded ~3x by other processes, so indicative only), tiles of 512,
+# 1024 and 2048 rows and token blocks of 512, 1024 and 2048 gave 1.6-2.4 s
+# with a frozen head and 2.8-4.1 s with dW, every difference inside one
+# setting's own run-to-run spread (1.0-2.5 s for one of them). The constants
+# fix the product shapes, whose backend _gemm.py measures per CPU, and bound
+# the memory, so they stay.
 CPU_TILE_V = 1024
 CPU_BLOCK_N = 2048
 
@@ -286,7 +294,9 @@ _GATHER_ROWS = 256
 
 # Logit budget of the weight-gradient path: 32 MiB is under 3% of what eager
 # torch allocates at N=2048, V=49152, and gives 170-row chunks there, enough
-# for the products to run near their large-shape rate on this CPU.
+# for the products to run near their large-shape rate on a Zen 5. On the
+# loaded Zen 3 run above (dW): 8 MiB 5.2 s, 32 MiB 3.2 s, 128 MiB 2.6 s
+# (medians; the last two overlap in their spread): 32 MiB stays, for memory.
 CPU_CHUNK_BYTES = 32 << 20
 
 

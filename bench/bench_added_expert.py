@@ -8,9 +8,12 @@ pre-activations and with ``recompute=True``; the compiled CPU kernel
 (``impl="cpu"``) and the torch composition (``impl="torch"``) on their own; plain torch autograd of
 ``F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` (the reference,
 the Hugging Face LlamaMLP); Liger-Kernel's SwiGLU MLP (cuBLAS products around
-its fused silu * up, GPU only); and the torch.mm floor: the block's products
-alone (3 forward, 9 forward + backward) with no elementwise work, the bound
-for any implementation built on torch.mm.
+its fused silu * up, GPU only); and the products' floor: the block's products
+alone (3 forward, 9 forward + backward) with no elementwise work, timed with
+torch.mm (MKL) and with oneDNN's inner product (its transposed-operand copies
+included) in the same run; the faster is the group's floor (bench/conftest.py
+prints every provider's ratio to it), the bound for an implementation built
+on either backend.
 
 FLOPs: the block's products, 6 N D A forward and 18 N D A forward + backward
 (x, Wg, Wu, Wd all need gradients), the same count for every provider; the
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import resident_trainer.ops.added_expert as ae
+from resident_trainer.ops import _gemm
 from resident_trainer.ops.saved import saved_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,31 +91,39 @@ PROVIDERS = {
     "reference": ("torch autograd (HF LlamaMLP)", _reference),
     "liger": ("Liger SiLUMul + cuBLAS", _liger),
     "mm-floor": ("torch.mm floor (products only)", None),
+    "onednn-floor": ("oneDNN floor (products only)", None),
 }
 
 
+def _onednn_mm(a, b):
+    """a @ b through oneDNN's inner product (which computes a @ w.T)."""
+    return torch.ops.mkldnn._linear_pointwise(_gemm._operand(a), _gemm._operand(b.t()), None, "none", [], "")
+
+
 class _Floor:
-    """The block's products with torch.mm and nothing else, on the same
+    """The block's products with one backend and nothing else, on the same
     operands (stand-ins for the activations)."""
 
-    def __init__(self, x, wg, wu, wd, dout):
+    def __init__(self, x, wg, wu, wd, dout, mm=torch.mm):
         self.x, self.wg, self.wu, self.wd, self.dout = x.detach(), wg.detach(), wu.detach(), wd.detach(), dout
-        self.h = torch.mm(self.x, self.wg.t())
+        self.mm = mm
+        self.h = mm(self.x, self.wg.t())
 
     def forward(self):
-        g = torch.mm(self.x, self.wg.t())
-        u = torch.mm(self.x, self.wu.t())
-        return torch.mm(g, self.wd.t()), u
+        mm = self.mm
+        g = mm(self.x, self.wg.t())
+        u = mm(self.x, self.wu.t())
+        return mm(g, self.wd.t()), u
 
     def step(self):
         self.forward()
-        h, x, d = self.h, self.x, self.dout
-        dp = torch.mm(d, self.wd)
-        torch.mm(d.t(), h)  # dWd
-        torch.mm(h.t(), x)  # dWg
-        torch.mm(h.t(), x)  # dWu
-        torch.mm(dp, self.wg)  # dx, gate half
-        torch.mm(dp, self.wu)  # dx, up half
+        mm, h, x, d = self.mm, self.h, self.x, self.dout
+        dp = mm(d, self.wd)
+        mm(d.t(), h)  # dWd
+        mm(h.t(), x)  # dWg
+        mm(h.t(), x)  # dWu
+        mm(dp, self.wg)  # dx, gate half
+        mm(dp, self.wu)  # dx, up half
 
 
 def _inputs(n, d, a, dtype):
@@ -134,12 +146,14 @@ def test_added_expert(benchmark, shape, dtype, mode, provider):
         pytest.skip("Liger's kernels are Triton, GPU only (the interpreter is a test tool)")
     if provider == "ours-cpu" and (DEVICE != "cpu" or dtype != torch.float32):
         pytest.skip("the compiled CPU kernel is fp32 on CPU")
+    if provider == "onednn-floor" and (DEVICE != "cpu" or not _gemm.onednn_supports(dtype)):
+        pytest.skip(f"oneDNN's inner product does not run {dtype} on this {DEVICE}")
     n, d, a = shape
     leaves, dout = _inputs(n, d, a, dtype)
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
 
     if fn is None:
-        floor = _Floor(*leaves, dout)
+        floor = _Floor(*leaves, dout, mm=_onednn_mm if provider == "onednn-floor" else torch.mm)
         call = floor.forward if mode == "fwd" else floor.step
         saved = None
     else:
@@ -159,7 +173,9 @@ def test_added_expert(benchmark, shape, dtype, mode, provider):
 
     benchmark.group = f"added_expert {mode} N={n} D={d} A={a} {str(dtype)[6:]} on {DEVICE}"
     flops = (6 if mode == "fwd" else 18) * n * d * a
-    benchmark.extra_info.update(provider=name, reference=provider == "reference", flops=flops)
+    benchmark.extra_info.update(
+        provider=name, reference=provider == "reference", floor=provider.endswith("-floor"), flops=flops
+    )
     if saved is not None:
         benchmark.extra_info["saved_act_bytes"] = saved
     benchmark.pedantic(timed, rounds=ROUNDS, iterations=1, warmup_rounds=2)

@@ -7,7 +7,10 @@ with ``batch_chunk_size=256``; Apple's cut-cross-entropy (``torch_compile`` on
 CPU, its Triton kernel on GPU); Liger-Kernel's fused linear cross-entropy (GPU
 only); and the matmul floor: the op's matmul FLOPs at the rate a plain
 ``h @ W.T`` of the same shape reaches, i.e. k x time(h @ W.T) with k = 2 for a
-frozen head (logits + dh) and 3 with dW.
+frozen head (logits + dh) and 3 with dW, timed with torch.mm (MKL) and with
+oneDNN's inner product in the same run; the faster is the group's floor
+(bench/conftest.py prints every provider's ratio to it). On CUDA the floor is
+torch.mm (cuBLAS) alone.
 
 Peak extra memory is measured per provider in a fresh process: after one
 warm-up step, the resident set high-water mark (VmHWM, reset through
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from _memory import peak_bytes_of
 
 import resident_trainer as rt
+from resident_trainer.ops import _gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -87,6 +91,11 @@ PROVIDERS = {
     "torch chunked, batch_chunk_size=256": _torch_chunked_256,
     "cut-cross-entropy": _cce,
     "liger-kernel": _liger,
+}
+# The floor's product, ``h @ W.T``, per backend.
+FLOORS = {
+    "matmul floor, torch.mm (MKL)": lambda h, w: torch.mm(h, w.t()),
+    "matmul floor, oneDNN": lambda h, w: torch.ops.mkldnn._linear_pointwise(h, w, None, "none", [], ""),
 }
 NEEDS = {"cut-cross-entropy": "cut_cross_entropy", "liger-kernel": "liger_kernel"}
 GPU_ONLY = {"liger-kernel"}
@@ -143,24 +152,31 @@ def _available(provider):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s[0]}-D{s[1]}-V{s[2]}")
 @pytest.mark.parametrize("mode", ["frozen", "dW"])
-@pytest.mark.parametrize("provider", list(PROVIDERS) + ["matmul floor"])
+@pytest.mark.parametrize("provider", list(PROVIDERS) + list(FLOORS))
 def test_linear_cross_entropy(benchmark, provider, mode, shape):
     n, d, v = shape
-    if provider != "matmul floor" and not _available(provider):
+    if provider in FLOORS:
+        if "oneDNN" in provider and (DEVICE != "cpu" or not _gemm.onednn_supports(DTYPE)):
+            pytest.skip(f"oneDNN's inner product does not run {DTYPE} on this {DEVICE}")
+    elif not _available(provider):
         pytest.skip(f"{provider} is not installed or does not run on {DEVICE}")
     h, w, y = make_inputs(n, d, v, mode)
     k = 2 if mode == "frozen" else 3
     benchmark.group = f"linear CE fwd+bwd, {mode} head, N={n} D={d} V={v} {str(DTYPE)[6:]} {DEVICE}"
     benchmark.extra_info.update(
-        provider=provider, reference=provider == "torch eager (reference)", flops=2 * k * n * d * v
+        provider=provider,
+        reference=provider == "torch eager (reference)",
+        floor=provider in FLOORS,
+        flops=2 * k * n * d * v,
     )
-    if provider == "matmul floor":
+    if provider in FLOORS:
         hd = h.detach()
         wd = w.detach()
+        product = FLOORS[provider]
 
         def floor():
             for _ in range(k):
-                hd @ wd.T
+                product(hd, wd)
             if hd.is_cuda:
                 torch.cuda.synchronize()
 

@@ -3,7 +3,11 @@ provider's median, spread, throughput and ratio to the group's reference
 provider, all measured in this same run.
 
 Each benchmark sets extra_info: "provider", "reference" (True for the one the
-ratios are taken against), and "bytes" or "flops" for the throughput column.
+ratios are taken against), "floor" (True for each way of timing the group's
+products alone; the fastest of them is the group's floor, and every provider's
+ratio to it is printed too), and "bytes" or "flops" for the throughput column.
+The header and the summary name the CPU, its cores, and the product backends
+(torch.mm/MKL, oneDNN) with what resident_trainer.ops._gemm chose per shape.
 """
 
 import os
@@ -29,8 +33,16 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads"
 
 
+def gemm() -> str:
+    """MKL and oneDNN availability, the RESIDENT_TRAINER_GEMM setting, and the
+    backend chosen (with both measured times) for each shape class so far."""
+    from resident_trainer.ops import _gemm
+
+    return _gemm.backend_report()
+
+
 def pytest_report_header(config):
-    return f"machine: {machine()}"
+    return [f"machine: {machine()}", gemm()]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -43,9 +55,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
     tr.section("ratios to the reference, measured in this run (median; lower time is better)")
     tr.write_line(f"machine: {machine()}")
+    tr.write_line(gemm())
     for group, benches in groups.items():
         ref = next((b for b in benches if b.extra_info.get("reference")), None)
-        tr.write_line(f"\n{group}")
+        floors = [b for b in benches if b.extra_info.get("floor")]
+        floor = min(floors, key=lambda b: b.stats.median) if floors else None
+        tr.write_line(f"\n{group}" + (f"  (floor: {floor.extra_info.get('provider')})" if floor else ""))
         for b in sorted(benches, key=lambda b: b.stats.median):
             med = b.stats.median
             info = b.extra_info
@@ -55,8 +70,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             elif "flops" in info:
                 rate = f"{info['flops'] / med / 1e12:8.3f} TFLOP/s"
             ratio = f"{med / ref.stats.median:6.2f}x time of ref" if ref is not None else ""
+            if floor is not None:
+                ratio += f"  {med / floor.stats.median:6.2f}x time of floor"
             extra = "  ".join(
-                f"{k}={v}" for k, v in info.items() if k not in ("provider", "reference", "bytes", "flops")
+                f"{k}={v}" for k, v in info.items() if k not in ("provider", "reference", "floor", "bytes", "flops")
             )
             tr.write_line(
                 f"  {info.get('provider', b.name):34s} {med * 1e3:10.3f} ms  iqr {b.stats.iqr * 1e3:8.3f} ms  {rate}  {ratio}  {extra}"

@@ -1,6 +1,7 @@
 // CPU kernels of linear cross-entropy: the elementwise work on one logit tile,
 // fused so that each row is read and written once while it sits in L1/L2.
-// The GEMMs stay in MKL (through at::mm in Python); these replace the five to
+// The GEMMs stay in MKL or oneDNN (resident_trainer/ops/_gemm.py picks the
+// faster on the CPU it runs on); these replace the five to
 // eight separate torch passes (tanh, max, sub, exp, sum, mul ...) per tile,
 // each a parallel region of its own over a tile larger than L2.
 //
@@ -45,12 +46,16 @@ static inline float fast_exp(float x) {
 // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits, absolute error ~1e-7.
 static inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
 
-// The row loops below are compiled for AVX-512 and for baseline x86-64 and
-// picked at load time. Measured on this project's 2-core Zen 5 EPYC (one 2048 x
-// 1024 tile, exp + sum per row, one thread): baseline SSE2 6.9 ms, AVX2 4.2 ms,
-// AVX-512 0.48 ms; torch.exp alone takes 1.4 ms.
+// The row loops below are compiled for AVX-512, for AVX2 + FMA (x86-64-v3)
+// and for baseline x86-64, and picked at load time. Measured on a 2-core Zen 5
+// EPYC (one 2048 x 1024 tile, exp + sum per row, one thread): baseline SSE2
+// 6.9 ms, AVX2 4.2 ms, AVX-512 0.48 ms; torch.exp alone takes 1.4 ms. Without
+// the AVX2 clone an AVX2-only CPU ran the SSE2 one: on a 2-core Zen 3 (loaded
+// by other processes; best of 9) exp + sum took 23.6 ms against 6.0 ms for
+// torch.exp + sum, and 11.5 ms with the AVX2 clone (torch.exp + sum: 18.8 ms
+// in that run).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define RT_ROW_KERNEL __attribute__((target_clones("arch=x86-64-v4", "default")))
+#define RT_ROW_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define RT_ROW_KERNEL
 #endif

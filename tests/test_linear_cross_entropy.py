@@ -336,6 +336,59 @@ def test_drop_in_for_torch_linear_cross_entropy(gen):
     assert abs(got.item() - want.item()) < 1e-5
 
 
+# --- the reduced loss against fp64 over many seeds -------------------------------------------
+
+# (N, D, V) per impl: odd sizes, vocabularies not a multiple of the tile, one
+# token; the interpreter runs Triton slowly, so its shapes are smaller.
+PRECISION_SHAPES = {
+    "cpu": [(252, 507, 123), (37, 19, 301), (1, 7, 33), (300, 64, 1000)],
+    "reference": [(252, 507, 123), (37, 19, 301), (1, 7, 33)],
+    "triton": [(37, 19, 301), (1, 7, 33), (50, 33, 129)],
+}
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["nocap", "softcap"])
+def test_reduced_loss_against_fp64_many_seeds(impl, dtype, softcap):
+    """Sum- and mean-reduced losses, 20% ignored targets, against the fp64
+    truth, with torch's own computation (the product in `dtype`, then fp32)
+    as the yardstick. The allowance is one token's size (|lse|), never the
+    size of the sum: 1e-3 x a sum of ~250 losses is ~4 here, more than
+    torch's own bf16 error (~0.3), so such a bound cannot fail. And the reduction rounds
+    once: the reduced loss is the fp32 rounding of the exact sum of the
+    per-token losses the same call returns with reduction="none" (an fp32 sum
+    misses it by 1-3 ulps on most of these seeds)."""
+    seeds = range(6 if impl == "triton" else 12)
+    for n, d, v in PRECISION_SHAPES[impl]:
+        for seed in seeds:
+            gen = torch.Generator().manual_seed(seed)
+            h, w, _, y = make(n, d, v, dtype, gen)
+            kw = dict(softcap=softcap)
+            with torch.no_grad():
+                per_tok = linear_cross_entropy(h, w, y, reduction="none", impl=impl, **kw)
+                _, lse = linear_cross_entropy_reference(
+                    h.double(), w.double(), y, return_lse=True, dtype=torch.float64, **kw
+                )
+                for reduction in ("sum", "mean"):
+                    truth = linear_cross_entropy_reference(
+                        h.double(), w.double(), y, reduction=reduction, dtype=torch.float64, **kw
+                    ).item()
+                    same = linear_cross_entropy_reference(h, w, y, reduction=reduction, matmul_dtype=dtype, **kw)
+                    got = linear_cross_entropy(h, w, y, reduction=reduction, impl=impl, **kw)
+                    assert got.dtype == torch.float32
+                    err, err_torch = abs(got.item() - truth), abs(same.item() - truth)
+                    allowance = ATOL[dtype] * lse.abs().max().item()
+                    what = f"{impl} {dtype} softcap={softcap} {reduction} N={n} D={d} V={v} seed {seed}"
+                    assert err <= K * err_torch + allowance, f"{what}: err {err:.3g} vs torch {err_torch:.3g}"
+                    if impl == "reference":
+                        continue  # torch's own fp32 sum
+                    exact = per_tok.double().sum()
+                    if reduction == "mean":
+                        exact = exact / max(int((y != -100).sum()), 1)
+                    assert got.item() == exact.float().item(), f"{what}: {got.item()!r} != {exact.float().item()!r}"
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 

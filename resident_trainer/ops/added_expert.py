@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from resident_trainer import _ext
-from resident_trainer.ops._gemm import linear, onednn_supports
+from resident_trainer.ops._gemm import choose, linear
 from resident_trainer.ops.collectives import copy_to_ranks, sum_over_ranks
 
 IMPLS = ("auto", "cpu", "torch", "triton", "reference")
@@ -65,10 +65,11 @@ def added_expert_reference(
 
 # --- the fused op from torch ops: any dtype and device ---------------------------
 
-# Products go through resident_trainer.ops._gemm.linear (``a @ b.T``):
-# oneDNN's inner product on CPUs where it runs (AVX-512 on AMD, where MKL runs
-# AVX2: 2.5 ms against 6.5 ms for (2048 x 576) @ (576 x 256) fp32 on one
-# thread), torch.mm elsewhere.
+# Products go through resident_trainer.ops._gemm.linear (``a @ b.T``): torch.mm
+# or oneDNN's inner product, whichever measured faster on this CPU for the
+# shape (oneDNN runs AVX-512 on AMD, where MKL runs AVX2: 2.5 ms against 6.5 ms
+# for (2048 x 576) @ (576 x 256) fp32 on one thread of a Zen 5; on an AVX-512
+# Xeon MKL was the faster).
 
 
 def _act_forward_torch(h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -106,11 +107,12 @@ def _act_backward_torch(
 def _mm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a.T @ b for a: (N, M), b: (N, L), the weight-gradient shape. oneDNN's
     inner product copies a transposed first operand, so the narrower of the
-    two goes there. In bf16, torch.mm (oneDNN's matmul, no copy) is faster
-    for this shape: 1.45 ms against 2.0 ms for (512 x 2048) @ (2048 x 576)."""
-    if a.dtype == torch.bfloat16 or not onednn_supports(a.dtype):
+    two goes there; where torch.mm is the measured choice for that product
+    (it reads transposed operands in place) it is one torch.mm."""
+    first, second = (a, b) if a.shape[1] <= b.shape[1] else (b, a)
+    if choose(first.t(), second.t()) == "mkl":
         return torch.mm(a.t(), b)
-    if a.shape[1] <= b.shape[1]:
+    if first is a:
         return linear(a.t(), b.t())
     return linear(b.t(), a.t()).t().contiguous()
 

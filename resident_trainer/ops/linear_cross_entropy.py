@@ -100,6 +100,26 @@ def _reduce(loss_tok: Tensor, valid: Tensor, reduction: str, shape) -> Tensor:
     return total / valid.sum().clamp(min=1).to(total.dtype)
 
 
+def _reduce_exact(loss_tok: Tensor, valid: Tensor, reduction: str, shape) -> Tensor:
+    """`_reduce` with the sum accumulated in fp64 and rounded once to fp32.
+
+    The per-token losses are exact to a few fp32 ulps of one token's loss; an
+    fp32 sum of them rounds at the size of the running total, ~N times larger,
+    and that was the larger error. Measured (20 seeds, N=252, D=507, V=123,
+    20% ignored, bf16 inputs, a 2-core Zen 3 EPYC; sums of 1500-4000): the sum's
+    median error against fp64 went 1.11e-4 -> 8.5e-5 without softcap and
+    7.0e-5 -> 2.9e-5 with softcap=4, where the per-token losses summed exactly
+    are within 3.6e-5 and 2.9e-6 and the rest is the one rounding to fp32 (half
+    an ulp of 4000 is 1.2e-4). Torch's own bf16 computation (the product in
+    bf16) is 0.33 and 0.016 away. The fp64 sum costs N additions."""
+    if reduction == "none":
+        return loss_tok.reshape(shape)
+    total = loss_tok.sum(dtype=torch.float64)
+    if reduction == "mean":
+        total = total / valid.sum().clamp(min=1)
+    return total.to(loss_tok.dtype)
+
+
 # --- per-shard partials ------------------------------------------------------------
 
 
@@ -124,9 +144,17 @@ class Partials:
 
 
 # Vocabulary tile and token block of the CPU path: 1024-row vocabulary tiles
-# against up to 2048 tokens keep the fp32 logit tile at 8 MiB, within L3. On
-# this 2-core AMD EPYC the tile products ran at 186 GFLOP/s (T=1024) against
-# 170-181 for T=2048-8192 through MKL, and at 330+ through oneDNN (_gemm.py).
+# against up to 2048 tokens keep the fp32 logit tile at 8 MiB, within L3 (32
+# MiB on the Zen 3 and Zen 5 EPYCs measured). On a 2-core Zen 5 the tile
+# products ran at 186 GFLOP/s (T=1024) against 170-181 for T=2048-8192 through
+# MKL, and at 330+ through oneDNN. Side by side on a 2-core Zen 3 (N=2048,
+# D=576, V=8192 fp32, forward + backward, median of 5 interleaved runs, the
+# machine loaded ~3x by other processes, so indicative only), tiles of 512,
+# 1024 and 2048 rows and token blocks of 512, 1024 and 2048 gave 1.6-2.4 s
+# with a frozen head and 2.8-4.1 s with dW, every difference inside one
+# setting's own run-to-run spread (1.0-2.5 s for one of them). The constants
+# fix the product shapes, whose backend _gemm.py measures per CPU, and bound
+# the memory, so they stay.
 CPU_TILE_V = 1024
 CPU_BLOCK_N = 2048
 
@@ -266,7 +294,9 @@ _GATHER_ROWS = 256
 
 # Logit budget of the weight-gradient path: 32 MiB is under 3% of what eager
 # torch allocates at N=2048, V=49152, and gives 170-row chunks there, enough
-# for the products to run near their large-shape rate on this CPU.
+# for the products to run near their large-shape rate on a Zen 5. On the
+# loaded Zen 3 run above (dW): 8 MiB 5.2 s, 32 MiB 3.2 s, 128 MiB 2.6 s
+# (medians; the last two overlap in their spread): 32 MiB stays, for memory.
 CPU_CHUNK_BYTES = 32 << 20
 
 
@@ -868,5 +898,5 @@ def linear_cross_entropy(
         need_bgrad,
         impl,
     )
-    out = _reduce(loss_tok, y != ignore_index, reduction, target.shape)
+    out = _reduce_exact(loss_tok, y != ignore_index, reduction, target.shape)
     return (out, lse.reshape(target.shape)) if return_lse else out

@@ -45,7 +45,12 @@ def _extensions():
         )
     # -fopenmp: at::parallel_for is a header template that runs serially unless the
     # extension itself is compiled with OpenMP (torch ships the libgomp it loads).
-    cxx = ["-O3", "-std=c++20", "-fno-strict-aliasing", "-fopenmp"]
+    # -fno-trapping-math: no floating-point exception is ever unmasked here, and
+    # without it GCC keeps the clamps of the row kernels' exp as branches on AVX2
+    # ("control flow in loop"), so their AVX2 clones ran scalar; values are the
+    # same IEEE results either way. Exp + sum over a 2048 x 1024 tile, one thread,
+    # Zen 3, machine loaded: 11.6 -> 1.45 ms.
+    cxx = ["-O3", "-std=c++20", "-fno-strict-aliasing", "-fopenmp", "-fno-trapping-math"]
     include_dirs = [os.path.join(HERE, "csrc")]
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not _flag("RESIDENT_TRAINER_SKIP_CUDA")
     if with_cuda:

@@ -13,6 +13,7 @@ from resident_trainer.ops.fingerprint import fingerprint_tensors
 from resident_trainer.protocol.checkpoint import CheckpointStore
 from resident_trainer.protocol.job import JobSpec
 from resident_trainer.train import AddedSharedNeurons, Fact, TrainConfig, Trainer, load_checkpoint
+from resident_trainer.train.data import example_ids
 
 FACTS = [Fact("Capital of Zorb?", "Quen."), Fact("Who made glim?", "Elsa.")]
 ANCHORS = [("Hello there?", "Hi, how are you?"), ("Count to three.", "One, two, three.")]
@@ -44,7 +45,9 @@ class Rank:
         return t
 
     def logits(self):
-        ids = torch.tensor([ByteTokenizer()("Capital of Zorb?")["input_ids"]])
+        # The fact's chat exchange, as trained: the gate opens on its tokens
+        # (on the bare question, outside the template, it may rightly stay shut).
+        ids = torch.tensor([example_ids(ByteTokenizer(), FACTS[0].question, FACTS[0].answer)[0]])
         with torch.no_grad():
             return self.model(ids).logits
 
@@ -65,7 +68,11 @@ def test_trainer_runs_as_the_protocol_job_body(tmp_path):
         assert t.history[-1].loss < t.history[0].loss
         # serving saw the old (zero) block until the commit, then the new one
         assert all(torch.equal(x, before) for x in rank.served_during_job)
-        assert not torch.equal(rank.logits(), before)
+        served = rank.logits()
+        assert not torch.equal(served, before), (
+            f"the published block changed nothing: threshold {rank.block.published_threshold}, "
+            f"history {[round(m.loss, 4) for m in t.history]}"
+        )
         assert rank.block.published_threshold is not None  # the gate was calibrated at publish
         assert torch.equal(rank.block.published_down, rank.block.w_down)
         assert fingerprint_tensors(rank.adapter.frozen_tensors()) == rank.base

@@ -37,14 +37,20 @@ def test_the_facts_and_their_halves():
         dev_facts("test")
 
 
-def test_keys_are_unique_and_never_inside_another_answer():
-    facts = dev_facts()
+def _distinct_keys(facts):
+    """The facts' keys, checked unique and never a whole word of another fact's answer."""
     keys = [f.key for f in facts]
     assert len(set(keys)) == len(keys)
     for f in facts:
         for g in facts:
             if f is not g:
                 assert not re.search(rf"(?<![\w,]){re.escape(f.key)}(?![\w,])", g.answer), (f.key, g.answer)
+    return keys
+
+
+def test_keys_are_unique_and_never_inside_another_answer():
+    facts = dev_facts()
+    _distinct_keys(facts)
     demo = {t.fact.question for t in DEMO_FACTS}
     assert not demo & {f.question for f in facts}  # never the demo's facts
 
@@ -65,12 +71,7 @@ def test_the_capacity_set():
     assert all(frames[i] == frames[i % 8] for i in range(128)) and len(set(frames[:8])) == 8
     assert all(f.subject and f.subject in f.question and f.subject in f.rewordings[0] for f in facts)
     assert all(f.key in f.answer and len(f.rewordings) == 1 for f in facts)
-    keys = [f.key for f in facts]
-    assert len(set(keys)) == len(keys)
-    for f in facts:
-        for g in facts:
-            if f is not g:
-                assert not re.search(rf"(?<![\w,]){re.escape(f.key)}(?![\w,])", g.answer), (f.key, g.answer)
+    keys = _distinct_keys(facts)
     assert not {f.question for f in facts} & {f.question for f in dev_facts()}
     assert not set(keys) & {f.key for f in dev_facts()}
     with pytest.raises(ValueError, match="n must be"):

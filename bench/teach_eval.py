@@ -139,56 +139,44 @@ def plot(out: dict, folder: str) -> None:
         )
 
     labels = ("facts recalled", "held-out rewordings", "generic controls identical", "near controls identical")
-    one = out["one_job"]
-    points = [(c["steps"], rates(c)) for c in one["jobs"][0].get("curve", [])]
-    points.append((one["jobs"][0]["steps"], rates(one["summary"])))
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for k, label in enumerate(labels):
-        ax.plot([x for x, _ in points], [r[k] for _, r in points], marker="o", label=label)
-    ax.set_xlabel("training steps (one job of 24 facts)")
-    ax.set_ylabel("fraction")
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_title(f"SmolLM2-135M, {out['half']} half; {out['cpu']}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(os.path.join(folder, "teaching_steps.png"), dpi=120)
-    plt.close(fig)
 
-    four = out["four_jobs"]
-    rows = [j for j in four["jobs"] if "summary" in j]
-    xs = [j["summary"]["facts"] for j in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for k, label in enumerate(labels):
-        ax.plot(xs, [rates(j["summary"])[k] for j in rows], marker="o", label=label)
-    ax.set_xlabel("facts taught so far (jobs of 6 on one block)")
-    ax.set_ylabel("fraction")
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xticks(xs)
-    ax.set_title(f"SmolLM2-135M, {out['half']} half, after each job; {out['cpu']}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(os.path.join(folder, "teaching_jobs.png"), dpi=120)
-    plt.close(fig)
+    def figure(xs, summaries, xlabel, title, name, loc, ticks=True, also=None):
+        """One line per rate against xs; `also`: a summary at one more x,
+        drawn as hollow squares in each line's colour."""
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for k, label in enumerate(labels):
+            line = ax.plot(xs, [rates(s)[k] for s in summaries], marker="o", label=label)
+            if also is not None:
+                ax.plot([also[0]], [rates(also[1])[k]], marker="s", markerfacecolor="none",
+                        color=line[0].get_color(), linestyle="none")  # fmt: skip
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction")
+        ax.set_ylim(-0.03, 1.03)
+        if ticks:
+            ax.set_xticks(xs)
+        ax.set_title(f"SmolLM2-135M, {title}; {out['cpu']}", fontsize=9)
+        ax.legend(fontsize=8, loc=loc)
+        fig.tight_layout()
+        fig.savefig(os.path.join(folder, name), dpi=120)
+        plt.close(fig)
+
+    one = out["one_job"]
+    points = [(c["steps"], c) for c in one["jobs"][0].get("curve", [])]
+    points.append((one["jobs"][0]["steps"], one["summary"]))
+    figure([x for x, _ in points], [c for _, c in points], "training steps (one job of 24 facts)",
+           f"{out['half']} half", "teaching_steps.png", "lower right", ticks=False)  # fmt: skip
+
+    rows = [j["summary"] for j in out["four_jobs"]["jobs"] if "summary" in j]
+    figure([r["facts"] for r in rows], rows, "facts taught so far (jobs of 6 on one block)",
+           f"{out['half']} half, after each job", "teaching_jobs.png", "lower left")  # fmt: skip
 
     if "capacity_eight_jobs" not in out:
         return
-    rows = [j for j in out["capacity_eight_jobs"]["jobs"] if "summary" in j]
-    xs = [j["summary"]["facts"] for j in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for k, label in enumerate(labels):
-        line = ax.plot(xs, [rates(j["summary"])[k] for j in rows], marker="o", label=label)
-        if "capacity_one_job" in out:  # the same facts in one job: hollow markers
-            ax.plot([out["capacity_one_job"]["summary"]["facts"]], [rates(out["capacity_one_job"]["summary"])[k]],
-                    marker="s", markerfacecolor="none", color=line[0].get_color(), linestyle="none")  # fmt: skip
-    ax.set_xlabel("facts held (capacity set, jobs of 16; squares: all 128 in one job)")
-    ax.set_ylabel("fraction")
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xticks(xs)
-    ax.set_title(f"SmolLM2-135M, 1024 neurons, after each job; {out['cpu']}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(os.path.join(folder, "teaching_facts.png"), dpi=120)
-    plt.close(fig)
+    rows = [j["summary"] for j in out["capacity_eight_jobs"]["jobs"] if "summary" in j]
+    single = out.get("capacity_one_job")
+    also = None if single is None else (single["summary"]["facts"], single["summary"])
+    figure([r["facts"] for r in rows], rows, "facts held (capacity set, jobs of 16; squares: all 128 in one job)",
+           "1024 neurons, after each job", "teaching_facts.png", "lower left", also=also)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -359,7 +359,9 @@ def test_reduced_loss_against_fp64_many_seeds(impl, dtype, softcap):
     once: the reduced loss is the fp32 rounding of the exact sum of the
     per-token losses the same call returns with reduction="none" (an fp32 sum
     misses it by 1-3 ulps on most of these seeds)."""
-    seeds = range(6 if impl == "triton" else 12)
+    # Triton's reduction is the same host-side fp64 sum as the C++ path's,
+    # so fewer seeds there (the interpreter takes ~1 s a call).
+    seeds = range(3 if impl == "triton" else 12)
     for n, d, v in PRECISION_SHAPES[impl]:
         for seed in seeds:
             gen = torch.Generator().manual_seed(seed)

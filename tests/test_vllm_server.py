@@ -30,6 +30,10 @@ from vllm_harness import AUTHORITY, FACTS, PROMPTS, engine_env, needs_vllm, smol
 pytestmark = [needs_vllm, pytest.mark.vllm]
 
 JOB = {"facts": FACTS, "steps": 8, "batch_size": 4}
+# The jobs that are stopped, cancelled or killed mid-way make no near
+# negatives: answering a job's (at least 64) negatives takes ~45 s on 2 cores
+# before its first step. The chats test's job makes them, and publishes.
+STOPPED_JOB = {**JOB, "negatives": 0}
 
 
 def http(method, url, body=None, auth=AUTHORITY, raw=None, timeout=60):
@@ -157,14 +161,14 @@ def test_chats_during_a_job_wait_at_most_one_microbatch(server):
 def test_a_stop_file_and_a_delete_end_a_job_at_a_boundary(server):
     url = server.url
     served = http("GET", f"{url}/v1/trainer")[1]["served"]
-    job = http("POST", f"{url}/v1/jobs", JOB)[1]["id"]
+    job = http("POST", f"{url}/v1/jobs", STOPPED_JOB)[1]["id"]
     wait_job(url, job, pred=lambda st: st["step"] >= 1)
     stop = Path(server.env["RESIDENT_TRAINER_RECEIPTS"]) / "jobs" / job / "STOP"
     stop.parent.mkdir(parents=True, exist_ok=True)
     stop.write_text("")
     st = wait_job(url, job)
     assert st["state"] == "failed" and "STOP file" in st["error"] and st["step"] < JOB["steps"], st
-    job = http("POST", f"{url}/v1/jobs", JOB)[1]["id"]
+    job = http("POST", f"{url}/v1/jobs", STOPPED_JOB)[1]["id"]
     wait_job(url, job, pred=lambda st: st["step"] >= 1)
     assert http("DELETE", f"{url}/v1/jobs/{job}")[0] == 202
     st = wait_job(url, job)
@@ -199,7 +203,7 @@ def test_kill_a_worker_mid_job_restarts_and_serves_the_last_good_block(server):
     assert published, "needs the published job of the chats test"
     before = http("GET", f"{url}/v1/trainer")[1]
     answer = chat(url, FACTS[0]["question"])
-    job = http("POST", f"{url}/v1/jobs", JOB)[1]["id"]
+    job = http("POST", f"{url}/v1/jobs", STOPPED_JOB)[1]["id"]
     wait_job(url, job, pred=lambda st: st["step"] >= 2)
     (pid,) = server.recovery.state().pids
     workers = _worker_pids(pid)

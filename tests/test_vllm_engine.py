@@ -127,12 +127,13 @@ def test_a_changed_base_fails_the_job_and_asks_for_a_restart(engine, tmp_path):
         if c.method == "rt_step" and c.args == (0,):
             rpc(engine, "rt_probe_corrupt", 1)
 
-    job = _call_job(engine, tmp_path, "corrupt", serial=3)
+    # 4 steps: the check that fails comes at the job's end, whatever its length
+    job = call_job(engine, tmp_path, "corrupt", {**SETTINGS, "steps": 4}, world=TP, serial=3)
     try:
         out = drive(job, calls_on(engine, corrupt_after_first_step))
     finally:
         rpc(engine, "rt_probe_corrupt", 1)  # the same bit flipped back
-    assert out.verdict is Verdict.ABORT and out.boundary == SETTINGS["steps"], out
+    assert out.verdict is Verdict.ABORT and out.boundary == 4, out
     assert any("frozen base" in r for r in out.reasons), out.reasons
     assert job.needs_restart
     assert CheckpointStore(LocalFileSystem(), str(tmp_path / "ckpt")).last_good() is None

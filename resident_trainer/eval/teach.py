@@ -20,7 +20,7 @@ import torch
 
 from resident_trainer.eval.devset import near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS
-from resident_trainer.eval.report import score
+from resident_trainer.eval.report import score, summary_line
 from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.train import (
     ANCHOR_PROMPTS,
@@ -160,6 +160,8 @@ def teach_jobs(
         if score_each_job and kind == "teach":
             so_far = [f for j in jobs[:n] for f in j]
             records[-1]["summary"] = _score_now(model, tokenizer, so_far, controls, before, max_new_tokens)
+            # logged at once: a run stopped later still has every finished job's figures
+            log(f"after job {n}: {summary_line(records[-1]['summary'])} ({seconds:.0f} s)")
     retracted_q = set(retract)
     taught = [f for j in jobs for f in j if f.question not in retracted_q]
     gone_facts = [f for j in jobs for f in j if f.question in retracted_q]

@@ -175,7 +175,8 @@ def plot(out: dict, folder: str) -> None:
     rows = [j["summary"] for j in out["capacity_eight_jobs"]["jobs"] if "summary" in j]
     single = out.get("capacity_one_job")
     also = None if single is None else (single["summary"]["facts"], single["summary"])
-    figure([r["facts"] for r in rows], rows, "facts held (capacity set, jobs of 16; squares: all 128 in one job)",
+    xlabel = "facts held (capacity set, jobs of 16" + ("; squares: all 128 in one job)" if also else ")")
+    figure([r["facts"] for r in rows], rows, xlabel,
            "1024 neurons, after each job", "teaching_facts.png", "lower left", also=also)  # fmt: skip
 
 

@@ -22,6 +22,7 @@ offsets add up to the whole tensor.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -168,6 +169,38 @@ def cpu_isas() -> tuple[str, ...]:
     return tuple(torch.ops.resident_trainer.fingerprint_cpu_isas().split(","))
 
 
+PREFETCH_ENV = "RESIDENT_TRAINER_FINGERPRINT_PREFETCH"
+PREFETCH_MODES = ("auto", "l1", "l2")
+
+
+def cpu_prefetch() -> str:
+    """The RESIDENT_TRAINER_FINGERPRINT_PREFETCH setting ("auto" when unset),
+    checked: where the CPU loop's software prefetches put the lines it reads
+    ahead, "l1" (prefetcht0) or "l2" (prefetcht1). "auto" measures both on the
+    first call of at least 64 MiB and keeps the faster for the process. Every
+    setting gives the same lanes."""
+    value = os.environ.get(PREFETCH_ENV, "auto").strip().lower() or "auto"
+    if value not in PREFETCH_MODES:
+        raise ValueError(f"{PREFETCH_ENV} must be one of {PREFETCH_MODES} (unset means 'auto'), got {value!r}")
+    return value
+
+
+def cpu_choice() -> str:
+    """What impl="cpu" runs on this machine: the instruction set, the prefetch
+    target and what the run-time measurement found (for benchmark reports)."""
+    _ext.require_extension("fingerprint (impl='cpu')")
+    choice = torch.ops.resident_trainer.fingerprint_cpu_choice()
+    setting = cpu_prefetch()
+    return choice if setting == "auto" else f"{choice.split(',')[0]}, prefetch {setting} (set by {PREFETCH_ENV})"
+
+
+def _cpu_lanes_many(datas: list[torch.Tensor], word_offsets: list[int]) -> torch.Tensor:
+    """(len(datas), 2) int64 lane sums of flat contiguous uint8 CPU tensors, in
+    one call into the extension (one parallel region)."""
+    _ext.require_extension("fingerprint (impl='cpu')")
+    return torch.ops.resident_trainer.fingerprint_lanes_many(datas, word_offsets, "auto", cpu_prefetch())
+
+
 def _resolve_impl(impl: str, device: torch.device) -> str:
     gpu = "cuda" if _ext.has_kernel("fingerprint_lanes", "CUDA") else "triton"
     return _ext.resolve_impl("fingerprint", impl, IMPLS, device, gpu_auto=gpu)
@@ -184,8 +217,7 @@ def _chunk_lanes(data: torch.Tensor, word_offset: int, impl: str) -> torch.Tenso
         l0, l1 = fingerprint_lanes_reference(data.cpu().numpy(), word_offset)
         return torch.tensor([l0, l1], dtype=torch.int64, device=data.device)
     if impl == "cpu":
-        _ext.require_extension("fingerprint (impl='cpu')")
-        return torch.ops.resident_trainer.fingerprint_lanes(data, word_offset)
+        return _cpu_lanes_many([data], [word_offset])[0]
     if impl == "cuda":
         _ext.require_extension("fingerprint (impl='cuda')")
         if not _ext.has_kernel("fingerprint_lanes", "CUDA"):
@@ -272,10 +304,7 @@ def fingerprint_pieces(pieces: Iterable[tuple[torch.Tensor, int]], *, impl: str 
     l0 = l1 = 0
     batch = [(t, b) for t, b in items if _resolve_impl(impl, t.device) == "cpu" and t.is_contiguous()]
     if batch:
-        _ext.require_extension("fingerprint (impl='cpu')")
-        lanes = torch.ops.resident_trainer.fingerprint_lanes_many(
-            [t.reshape(-1).view(torch.uint8) for t, _ in batch], [b // 4 for _, b in batch]
-        )
+        lanes = _cpu_lanes_many([t.reshape(-1).view(torch.uint8) for t, _ in batch], [b // 4 for _, b in batch])
         l0, l1 = (int(v) for v in lanes.sum(0).tolist())
     for t, b in items:
         if not (_resolve_impl(impl, t.device) == "cpu" and t.is_contiguous()):
@@ -409,8 +438,7 @@ def fingerprint_tensors(named: Mapping[str, torch.Tensor] | torch.nn.Module, *, 
     if batch:
         # Contiguous CPU tensors go to the kernel in one call: one parallel
         # region for the whole model instead of a fork/join per small tensor.
-        _ext.require_extension("fingerprint (impl='cpu')")
-        many = torch.ops.resident_trainer.fingerprint_lanes_many([d for _, d in batch], [0] * len(batch)).tolist()
+        many = _cpu_lanes_many([d for _, d in batch], [0] * len(batch)).tolist()
         for (i, _), v in zip(batch, many):
             values[i] = v
     by_device: dict[torch.device, list[int]] = {}

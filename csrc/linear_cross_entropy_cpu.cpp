@@ -24,8 +24,11 @@ namespace {
 // [-87.3, 88.3], so exp(-inf) gives ~1e-38 rather than 0 (harmless here: it
 // only ever multiplies an empty sum). Max relative error 2 ulp, measured in
 // tests/test_linear_cross_entropy.py against torch.exp. Written to
-// auto-vectorize; NaN propagates.
-static inline float fast_exp(float x) {
+// auto-vectorize; NaN propagates. Always inlined: a call inside a loop stops its
+// vectorization, and GCC's heuristics left it out of line in the gradient rows
+// (all three loops scalar: 1.69 ns an element against 0.13 for exp + sum on a
+// 2-thread Sapphire Rapids-class Xeon).
+__attribute__((always_inline)) static inline float fast_exp(float x) {
   x = x < -87.3f ? -87.3f : x;  // NaN compares false and passes through
   x = x > 88.3f ? 88.3f : x;
   const float shifter = 12582912.0f;  // 1.5 * 2^23: add/subtract rounds to an integer
@@ -44,7 +47,7 @@ static inline float fast_exp(float x) {
 }
 
 // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits, absolute error ~1e-7.
-static inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
+__attribute__((always_inline)) static inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
 
 // The row loops below are compiled for AVX-512, for AVX2 + FMA (x86-64-v3)
 // and for baseline x86-64, and picked at load time. Measured on a 2-core Zen 5
@@ -145,6 +148,28 @@ RT_ROW_KERNEL void max_sum_rows(float* zp, float* slp, float* mo, float* so, int
   for (int64_t r = r0; r < r1; ++r) softcap_max_sum(zp + r * cols, slp ? slp + r * cols : nullptr, cols, cap, mo + r, so + r);
 }
 
+// One row of G in place, by kind (plain, slope given, softcap here).
+__attribute__((always_inline)) static inline void grad_row_plain(float* __restrict zr, int64_t cols, float l,
+                                                                 float k, float off) {
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) zr[c] = fast_exp(zr[c] - l) * k - off;
+}
+
+__attribute__((always_inline)) static inline void grad_row_slope(float* __restrict zr, const float* __restrict sl,
+                                                                 int64_t cols, float l, float k, float off) {
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) zr[c] = (fast_exp(zr[c] - l) * k - off) * sl[c];
+}
+
+__attribute__((always_inline)) static inline void grad_row_cap(float* __restrict zr, int64_t cols, float l, float k,
+                                                               float off, float cap, float inv_cap) {
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) {
+    const float t = fast_tanh(zr[c] * inv_cap);
+    zr[c] = (fast_exp(cap * t - l) * k - off) * (1.0f - t * t);
+  }
+}
+
 RT_ROW_KERNEL void grad_rows(float* zp, const float* lp, const float* cp, const float* wp, const int64_t* yp,
                              const float* slp, int64_t v0, float tw, float sm, float cap, bool cap_here, int64_t r0,
                              int64_t r1, int64_t cols) {
@@ -164,18 +189,11 @@ RT_ROW_KERNEL void grad_rows(float* zp, const float* lp, const float* cp, const 
       slope_y = 1.0f - t * t;
     }
     if (cap_here) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) {
-        const float t = fast_tanh(zr[c] * inv_cap);
-        zr[c] = (fast_exp(cap * t - l) * k - off) * (1.0f - t * t);
-      }
+      grad_row_cap(zr, cols, l, k, off, cap, inv_cap);
     } else if (slp) {
-      const float* sl = slp + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) zr[c] = (fast_exp(zr[c] - l) * k - off) * sl[c];
+      grad_row_slope(zr, slp + r * cols, cols, l, k, off);
     } else {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) zr[c] = fast_exp(zr[c] - l) * k - off;
+      grad_row_plain(zr, cols, l, k, off);
     }
     if (has_y) zr[yc] -= wp[r] * tw * slope_y;
   }

@@ -183,7 +183,54 @@ def test_results_against_fp64(monkeypatch, dtype, layout, setting, m, k, l_, gen
         assert err <= K * err_torch + ATOL[dtype] * scale, f"err {err:.3g} vs torch.mm {err_torch:.3g}"
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["nn", "tn", "nt", "tt"])
+@pytest.mark.parametrize("setting", ["mkl", "onednn"])
+def test_accumulate_into_a_view(monkeypatch, out_dtype, layout, setting, gen):
+    # out += a @ b.T into rows of a larger tensor (a view, as dW's tiles
+    # are), fp32 operands; a bf16 `out` takes the product's add path.
+    monkeypatch.setenv(_gemm.ENV, setting)
+    a, b = _operands(37, 19, 30, torch.float32, gen, layout)
+    big = torch.randn(50, 30, generator=gen).to(out_dtype)
+    before = big.clone()
+    out = _gemm.linear_acc(big[5:42], a, b)
+    assert out.data_ptr() == big[5:42].data_ptr()
+    truth = before[5:42].double() + a.double() @ b.double().t()
+    err = (big[5:42].double() - truth).abs().max().item()
+    scale = (a.double().abs() @ b.double().abs().t()).max().item()
+    assert err <= (2.0**-8 * truth.abs().max().item() if out_dtype == torch.bfloat16 else 1e-6 * scale)
+    assert torch.equal(big[:5], before[:5]) and torch.equal(big[42:], before[42:])
+
+
 def test_empty_operands(gen):
     a = torch.zeros(0, 5)
     b = torch.randn(4, 5, generator=gen)
     assert _gemm.linear(a, b).shape == (0, 4) and _gemm.linear(b, torch.zeros(0, 5)).shape == (4, 0)
+
+
+@pytest.mark.parametrize(("onednn_ms", "want"), [(0.97, "mkl"), (0.89, "onednn"), (0.5, "onednn"), (1.2, "mkl")])
+def test_onednn_must_win_by_the_margin(monkeypatch, gen, onednn_ms, want):
+    # A fake clock that each backend advances by its own cost: torch.mm 1 ms,
+    # oneDNN `onednn_ms`. oneDNN is chosen only when at least 10% faster.
+    now = [0.0]
+    cost = {"mkl": 1e-3, "onednn": onednn_ms * 1e-3}
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return now[0]
+
+    def fake(name):
+        def run(a, b):
+            now[0] += cost[name]
+            return a @ b.t()
+
+        return run
+
+    monkeypatch.setattr(_gemm, "time", Clock)
+    for name in _gemm.BACKENDS:
+        monkeypatch.setitem(_gemm._RUN, name, fake(name))
+    a, b = _operands(64, 32, 48, torch.float32, gen)
+    choice, best = _gemm._measure(a, b)
+    assert choice == want
+    assert best == pytest.approx(cost)

@@ -34,6 +34,7 @@ def small_tiles(monkeypatch):
     # Small tiles so that tiny shapes still cross several vocabulary tiles,
     # token blocks and logit chunks on every path.
     monkeypatch.setattr(lce, "CPU_TILE_V", 64)
+    monkeypatch.setattr(lce, "CPU_WGRAD_TILE_V", 48)
     monkeypatch.setattr(lce, "CPU_BLOCK_N", 16)
     monkeypatch.setattr(lce, "CPU_CHUNK_BYTES", 7 * 4 * 512)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_N", 16)
@@ -476,6 +477,7 @@ def _tp_worker(rank, world, store_path, sizes):
     os.environ["TRITON_INTERPRET"] = "1"
     with gloo_worker(rank, world, f"file://{store_path}") as group:
         lce.CPU_TILE_V, lce.CPU_BLOCK_N, lce.CPU_CHUNK_BYTES = 32, 8, 4 * 64 * 8
+        lce.CPU_WGRAD_TILE_V = 24
         tk.BLOCKS.update(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16)
         gen = torch.Generator().manual_seed(99)
         v = sum(sizes)

@@ -84,10 +84,14 @@ __attribute__((always_inline)) static inline void softcap_max_sum(float* zr, flo
   }
   float mx = -std::numeric_limits<float>::infinity();
   float tot = 0.0f;
+  // On values, not std::max's references: GCC kept the reference form as a
+  // branch ("control flow in loop") and ran this loop scalar, 0.48 ns an
+  // element (2-thread Xeon). A NaN compares false and is skipped, as before.
 #pragma omp simd reduction(max : mx) reduction(+ : tot)
   for (int64_t c = 0; c < cols; ++c) {
-    mx = std::max(mx, zr[c]);
-    tot += zr[c];
+    const float z = zr[c];
+    mx = z > mx ? z : mx;
+    tot += z;
   }
   *mx_out = mx;
   *sum_out = tot;

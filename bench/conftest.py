@@ -34,11 +34,12 @@ def machine() -> str:
 
 
 def gemm() -> str:
-    """MKL and oneDNN availability, the RESIDENT_TRAINER_GEMM setting, and the
-    backend chosen (with both measured times) for each shape class so far."""
-    from resident_trainer.ops import _gemm
+    """MKL and oneDNN availability, the RESIDENT_TRAINER_GEMM setting, the
+    backend chosen (with both measured times) for each shape class so far, and
+    the added expert's measured CPU path (kernel or composition) per class."""
+    from resident_trainer.ops import _gemm, added_expert
 
-    return _gemm.backend_report()
+    return _gemm.backend_report() + "\n" + added_expert.path_report()
 
 
 def pytest_report_header(config):

@@ -386,6 +386,63 @@ def test_auto_picks_the_compiled_kernel_for_narrow_fp32_on_cpu():
     assert ae.resolve_impl("auto", torch.zeros(2, 576)) == "cpu"
     assert ae.resolve_impl("auto", torch.zeros(2, 4096)) == "torch"
     assert ae.resolve_impl("auto", torch.zeros(2, 576, dtype=torch.bfloat16)) == "torch"
+    # Wide or low-precision inputs never measure: the composition.
+    assert ae.resolve_impl("auto", torch.zeros(2, 4096), 8) == "torch"
+    assert ae.resolve_impl("auto", torch.zeros(2, 576, dtype=torch.bfloat16), 8) == "torch"
+
+
+def test_auto_measures_kernel_against_composition_once_per_class(monkeypatch):
+    monkeypatch.setattr(ae, "_PATH_CHOICES", {})
+    calls = []
+    measure = ae._measure_paths
+    monkeypatch.setattr(ae, "_measure_paths", lambda n, d, a: calls.append((n, d, a)) or measure(n, d, a))
+    first = ae.resolve_impl("auto", torch.zeros(3, 40, 24), 16)
+    assert first in ("cpu", "torch") and calls == [(120, 24, 16)]
+    # N=100 rounds up to the same class (128); another A is another class.
+    assert ae.resolve_impl("auto", torch.zeros(100, 24), 16) == first and len(calls) == 1
+    ae.resolve_impl("auto", torch.zeros(100, 24), 8)
+    assert calls[1:] == [(100, 24, 8)]
+    report = ae.path_report()
+    assert f"N<=128 D=24 A=16: {first} (cpu " in report and "N<=128 D=24 A=8" in report
+    # An explicit impl is never measured.
+    assert ae.resolve_impl("torch", torch.zeros(5000, 24), 16) == "torch" and len(calls) == 2
+
+
+@pytest.mark.parametrize(("kernel_ms", "want"), [(1.0, "torch"), (0.5, "cpu")])
+def test_path_measurement_keeps_the_faster(monkeypatch, kernel_ms, want):
+    # A fake clock advanced by each path's cost: the composition 0.8 ms a run.
+    now = [0.0]
+    cost = {"cpu": kernel_ms * 1e-3, "torch": 0.8e-3}
+    forward = ae._forward_impl
+
+    def timed_forward(x, wg, wu, wd, mask, store, impl):
+        now[0] += cost[impl]
+        return forward(x, wg, wu, wd, mask, store, impl)
+
+    monkeypatch.setattr(ae, "_forward_impl", timed_forward)
+    monkeypatch.setattr(ae.time, "perf_counter", lambda: now[0])
+    choice, best = ae._measure_paths(64, 24, 16)
+    assert choice == want and best == pytest.approx(cost)
+
+
+@pytest.mark.parametrize("path", ["cpu", "torch"])
+def test_auto_is_exact_whichever_path_it_measured(monkeypatch, path, gen):
+    # Force the measurement's outcome both ways: "auto" then runs that path,
+    # forward and backward, against the oracle.
+    inputs, dout = make(50, 24, 16, gen)
+    inputs, dout = [t.float() for t in inputs], dout.float()
+    key = (torch.get_num_threads(), 64, 24, 16)
+    monkeypatch.setattr(ae, "_PATH_CHOICES", {key: (path, {})})
+    assert ae.resolve_impl("auto", inputs[0], 16) == path
+    got = [t.clone().requires_grad_() for t in inputs]
+    want = [t.clone().requires_grad_() for t in inputs]
+    out = added_expert(*got)
+    out.backward(dout)
+    ref = ae.added_expert_reference(*want)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_block_starts_as_a_noop_and_trains(gen):

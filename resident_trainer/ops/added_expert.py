@@ -30,6 +30,8 @@ the product rounded; every product accumulates in fp32.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -72,8 +74,19 @@ def added_expert_reference(
 # Xeon MKL was the faster).
 
 
+# The compiled one-pass elementwise ops (fp32 CPU), looked up once.
+_HAS_ACT_KERNEL = _ext.has_kernel("added_expert_act_forward", "CPU")
+
+
+def _act_kernel(h: torch.Tensor) -> bool:
+    return _HAS_ACT_KERNEL and h.dtype == torch.float32 and h.device.type == "cpu"
+
+
 def _act_forward_torch(h: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """p = silu(gate) * up with HF casts, h = [gate | up]: (N, 2A) -> (N, A)."""
+    """p = silu(gate) * up with HF casts, h = [gate | up]: (N, 2A) -> (N, A).
+    fp32 on a CPU: one pass of the compiled op."""
+    if _act_kernel(h):
+        return torch.ops.resident_trainer.added_expert_act_forward(h, token_mask)
     a = h.shape[1] // 2
     p = F.silu(h[:, :a])
     p.mul_(h[:, a:])
@@ -88,7 +101,10 @@ def _act_backward_torch(
     """(dh, p): dh = [dgate | dup] (N, 2A) for dp = dL/dp (N, A), and p again
     (for dWd), from h = [gate | up]. Five elementwise passes, written in the
     input dtype (each computes in fp32 inside), none in an fp32 temporary:
-    in bf16 the upcast copies cost more than the passes themselves."""
+    in bf16 the upcast copies cost more than the passes themselves. fp32 on
+    a CPU: one pass of the compiled op (its p equals its forward's bit for bit)."""
+    if _act_kernel(h):
+        return torch.ops.resident_trainer.added_expert_act_backward(h, dp, token_mask)
     n, a = dp.shape
     gate, up = h[:, :a], h[:, a:]
     # The same op as the forward, so p and the rounded silu are bit-identical.
@@ -147,7 +163,7 @@ def _backward_torch(grad_out, x, w_gate, w_up, w_down, h, token_mask, need_dx, n
 # Looked up once: the dispatcher query is not traceable by torch.compile.
 _HAS_CPU_KERNEL = _ext.has_kernel("added_expert_fused_forward", "CPU")
 
-# The compiled kernel is the CPU default below this width. Measured on a
+# The compiled kernel is a CPU candidate below this width. Measured on a
 # 2-core Zen 5, fp32, forward + backward: at D = 576 it is as fast as the
 # torch composition or faster (up to 25%; 10% at N = 2048, A = 256) at every
 # N and A of the benchmark grid, the elementwise work staying on tiles in
@@ -155,17 +171,84 @@ _HAS_CPU_KERNEL = _ext.has_kernel("added_expert_fused_forward", "CPU")
 # oneDNN's inner product blocking the long D loops better.
 _CPU_KERNEL_MAX_D = 1023
 
+# Below that width "auto" still measures: the kernel's products are oneDNN's
+# micro-kernel, which beats MKL where MKL runs its AVX2 code (AMD), and the
+# composition's go to whichever of MKL and oneDNN _gemm measured faster. On a
+# 2-core Sapphire Rapids-class Xeon (N=2048, D=576, A=256, fp32) the
+# composition took 20.9 ms forward + backward against 22.5 ms for the kernel.
+# So each class (threads, N rounded up to a power of two, D, A) times one
+# forward + backward of both on random operands of its shape (at most 1024
+# rows), once per process, best of 3 each after a warm-up: ~0.1 s at N = 1024.
+_PATH_CHOICES: dict[tuple, tuple[str, dict[str, float]]] = {}
+_PATH_PROBE_ROWS = 1024
+_PATH_PROBE_RUNS = 3
 
-def resolve_impl(impl: str, x: torch.Tensor) -> str:
+
+def _measure_paths(n: int, d: int, a: int) -> tuple[str, dict[str, float]]:
+    """("cpu" or "torch", best seconds of each) for one forward + backward
+    at this shape, on random fp32 operands."""
+    g = torch.Generator().manual_seed(0)
+    rows = max(1, min(n, _PATH_PROBE_ROWS))
+    x = torch.randn(rows, d, generator=g)
+    w_gu = torch.randn(2 * a, d, generator=g) * d**-0.5
+    w_d = torch.randn(d, a, generator=g) * a**-0.5
+    g_out = torch.randn(rows, d, generator=g)
+
+    def run(name):
+        _, h = _forward_impl(x, w_gu, None, w_d, None, True, name)
+        _backward_impl(g_out, x, w_gu, None, w_d, h, None, True, True, True, name)
+
+    best = {"cpu": float("inf"), "torch": float("inf")}
+    with torch.no_grad():
+        for name in best:
+            run(name)
+        for _ in range(_PATH_PROBE_RUNS):
+            for name in best:
+                t0 = time.perf_counter()
+                run(name)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return min(best, key=best.get), best
+
+
+def _measured_cpu_path(n: int, d: int, a: int) -> str:
+    if torch.compiler.is_compiling():
+        return "cpu"  # no timing (nor thread count) inside a trace: the kernel
+    key = (torch.get_num_threads(), 1 << max(n - 1, 0).bit_length(), d, a)
+    hit = _PATH_CHOICES.get(key)
+    if hit is None:
+        hit = _PATH_CHOICES[key] = _measure_paths(n, d, a)
+    return hit[0]
+
+
+def path_report() -> str:
+    """For benchmark output: each measured class's CPU path (the compiled
+    kernel or the torch composition) with both best times."""
+    lines = ["added_expert CPU path (fp32, D < 1024, impl='auto'):"]
+    for (threads, n, d, a), (name, best) in sorted(_PATH_CHOICES.copy().items()):
+        times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
+        lines.append(f"  {threads} threads N<={n} D={d} A={a}: {name} ({times})")
+    if len(lines) == 1:
+        lines.append("  no class measured")
+    return "\n".join(lines)
+
+
+def resolve_impl(impl: str, x: torch.Tensor, a: int | None = None) -> str:
     """The implementation added_expert runs for `impl` and input x (what
-    "auto" picks on this device, dtype and width; explicit choices checked)."""
+    "auto" picks on this device, dtype and width; explicit choices checked).
+    With `a` (the local neuron count) "auto" measures, for fp32 with D < 1024
+    on a CPU, whether the compiled kernel or the torch composition is faster
+    (once per class); without it, the kernel."""
     # The compiled kernel covers fp32; for bf16, fp16 and fp64 the torch
     # composition is the CPU path (oneDNN's bf16 inner product already runs
     # the CPU's bf16 dot-product instructions where it has them).
     kernel = x.dtype == torch.float32 and _HAS_CPU_KERNEL and x.shape[-1] <= _CPU_KERNEL_MAX_D
-    impl = _ext.resolve_impl(
-        "added_expert", impl, IMPLS, x.device, gpu_auto="triton", cpu_auto="cpu" if kernel else "torch"
-    )
+    cpu_auto = "torch"
+    if kernel and impl == "auto" and x.device.type == "cpu":
+        n = x.numel() // max(x.shape[-1], 1)
+        cpu_auto = "cpu" if a is None or a == 0 or n == 0 else _measured_cpu_path(n, x.shape[-1], a)
+    elif kernel:
+        cpu_auto = "cpu"
+    impl = _ext.resolve_impl("added_expert", impl, IMPLS, x.device, gpu_auto="triton", cpu_auto=cpu_auto)
     if impl == "cpu":
         if x.dtype != torch.float32:
             raise TypeError(
@@ -275,13 +358,18 @@ def _setup_context(ctx, inputs, output):
     # recomputing). Separate gate and up weights are saved as they are, never
     # as a packed copy.
     ctx.save_for_backward(x, w_gate, w_up, w_down, output[1] if store_pre else None, token_mask)
+    # h is an output only for the backward to read: it never gets a gradient,
+    # and autograd would otherwise fill an (N, 2A) zero tensor for it on every
+    # backward (0.33 ms of a 19 ms step at N=2048, A=256 on a 2-core Xeon).
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_h):
     x, w_gate, w_up, w_down, h, token_mask = ctx.saved_tensors
     nx, ng, nu, nd = ctx.needs_input_grad[:4]
     need = [bool(nx), bool(ng or nu), bool(nd)]
-    if not any(need):
+    if not any(need) or grad_out is None:  # grads are not materialized: None when out was unused
         return (None,) * 7
     if h is None:
         h = x.new_empty((0, 2 * w_down.shape[1]))
@@ -369,14 +457,15 @@ def added_expert(
     process_group: the A neurons are split over its ranks (this rank passes its
     own rows of w_gate and w_up and its columns of w_down); the partial outputs
     and the partial dx are summed over the ranks, weight gradients stay local.
-    impl: "auto" (on CPU the compiled kernel for fp32 with D < 1024, else the
-    torch composition; Triton on CUDA), "cpu" (the compiled fp32 kernel),
+    impl: "auto" (on CPU, for fp32 with D < 1024, the compiled kernel or the
+    torch composition, whichever measured faster for the shape (`path_report`);
+    otherwise the torch composition; Triton on CUDA), "cpu" (the compiled fp32 kernel),
     "torch" (the fused op composed from torch ops, any device), "triton", or
     "reference" (the plain torch autograd oracle)."""
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
     _check_inputs(x, w_gate, w_up, w_down, token_mask)
-    impl = resolve_impl(impl, x)
+    impl = resolve_impl(impl, x, w_down.shape[1])
     lead, d = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d)
     mask = None if token_mask is None else token_mask.reshape(-1)

@@ -540,3 +540,53 @@ def test_triton_on_gpu(dtype, recompute, gen):
             "triton", [t.cuda() for t in inputs], dout.cuda(), dtype, token_mask=mask.cuda(), recompute=recompute
         )
         assert_close(ours, same, truth, dtype)
+
+
+# --- the compiled one-pass elementwise ops of the torch composition --------------
+
+
+@pytest.mark.parametrize("n,a", [(1, 1), (7, 3), (33, 17), (130, 64)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_compiled_elementwise_ops_against_fp64(n, a, masked, gen):
+    ops = torch.ops.resident_trainer
+    h = torch.randn(n, 2 * a, generator=gen) * 4
+    h[0, 0] = -100.0  # the sigmoid's far tail: exp clamps, silu ~ -4e-42 (a denormal, flushed to 0)
+    h[-1, -1] = 1e-40  # a denormal input
+    dp = torch.randn(n, a, generator=gen)
+    mask = (torch.rand(n, generator=gen) < 0.6) if masked else None
+    p = ops.added_expert_act_forward(h, mask)
+    dh, p2 = ops.added_expert_act_backward(h, dp, mask)
+    assert torch.equal(p, p2)  # the backward's p is the forward's, bit for bit
+    g, u = h[:, :a].double(), h[:, a:].double()
+    s = torch.sigmoid(g)
+    want_p = g * s * u
+    want_dg = dp.double() * u * s * (1 + g * (1 - s))
+    want_du = dp.double() * g * s
+    if masked:
+        off = ~mask.unsqueeze(1)
+        want_p, want_dg, want_du = (t.masked_fill(off, 0) for t in (want_p, want_dg, want_du))
+    # torch's own fp32 composition as the yardstick: K = 3, plus 4 ulps of the
+    # largest entry (both are a few ulps; a wrong formula is O(entry)).
+    gate, up = h[:, :a], h[:, a:]
+    act = F.silu(gate)
+    torch_p = act * up
+    torch_du = dp * act
+    torch_dg = torch.ops.aten.silu_backward(dp * up, gate)
+    if masked:
+        off = ~mask.unsqueeze(1)
+        torch_p, torch_dg, torch_du = (t.masked_fill(off, 0) for t in (torch_p, torch_dg, torch_du))
+    for got, want, yard in ((p, want_p, torch_p), (dh[:, :a], want_dg, torch_dg), (dh[:, a:], want_du, torch_du)):
+        assert torch.isfinite(got).all()
+        err = (got.double() - want).abs().max().item()
+        err_torch = (yard.double() - want).abs().max().item()
+        assert err <= 3 * err_torch + 4 * 2.0**-23 * want.abs().max().item(), (err, err_torch)
+
+
+def test_compiled_elementwise_ops_check_their_arguments():
+    ops = torch.ops.resident_trainer
+    with pytest.raises(RuntimeError, match="h must be a 2-D float32 CPU tensor"):
+        ops.added_expert_act_forward(torch.zeros(4, 5), None)
+    with pytest.raises(RuntimeError, match="token_mask must be a bool vector of h's 4 rows"):
+        ops.added_expert_act_forward(torch.zeros(4, 6), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"dp must be float32 of shape \(4, 3\)"):
+        ops.added_expert_act_backward(torch.zeros(4, 6), torch.zeros(4, 2), None)

@@ -255,20 +255,35 @@ class Trainer:
         """The frozen base's fingerprint taken when the job began."""
         return self.base_tables["frozen"]
 
+    #: Exchanges per forward in block_inputs (right-padded, padding masked).
+    BLOCK_INPUT_BATCH = 16
+
     @torch.no_grad()
     def block_inputs(self, exchanges: Sequence[tuple[str, str | Sequence[int]]]) -> list[Tensor]:
         """The block's inputs (layer L's normalized hidden), (T, D) per chat
         exchange (prompt, reply text or ids), on every token: for the anchors
         these are fixed for the job, since the base is frozen and the block
-        acts after them."""
-        out = []
-        for prompt, reply in exchanges:
-            ids, _ = example_ids(self.tokenizer, prompt, reply)
-            t = torch.tensor([ids], device=self.adapter.device)
-            h, ctx = self.replay.prefix(t)
+        acts after them. Exchanges of similar length run together, right-padded
+        with the padding masked: a job's ~100 anchors took one forward each
+        before, about a tenth of a job's start-up."""
+        seqs = [example_ids(self.tokenizer, prompt, reply)[0] for prompt, reply in exchanges]
+        out: list[Tensor | None] = [None] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        d, dev = self.adapter.hidden_size, self.adapter.device
+        for start in range(0, len(order), self.BLOCK_INPUT_BATCH):
+            rows = order[start : start + self.BLOCK_INPUT_BATCH]
+            width = max(len(seqs[i]) for i in rows)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
+            mask = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
+            for j, i in enumerate(rows):
+                ids[j, : len(seqs[i])] = torch.tensor(seqs[i], device=dev)
+                mask[j, : len(seqs[i])] = 1
+            h, ctx = self.replay.prefix(ids, mask if len(rows) > 1 else None)
             with self.block.capture_inputs() as cap:
                 self.adapter.run_layer(self.layer, h, ctx)
-            out.append(cap[0].reshape(-1, self.adapter.hidden_size))
+            x = cap[0].reshape(len(rows), width, d)
+            for j, i in enumerate(rows):
+                out[i] = x[j, : len(seqs[i])].clone()
         return out
 
     def anchor_penalty(self, index: int) -> Tensor | None:

@@ -62,9 +62,10 @@ def test_near_controls_share_the_frames_and_nothing_else():
     assert not set(near) & (set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | {f.question for f in dev_facts()})
 
 
-def test_the_capacity_set():
-    facts = capacity_facts()
-    assert len(facts) == 128 and capacity_facts(16) == facts[:16]
+@pytest.mark.parametrize("tune", [False, True], ids=["report", "tune"])
+def test_the_capacity_set(tune):
+    facts = capacity_facts(tune=tune)
+    assert len(facts) == 128 and capacity_facts(16, tune=tune) == facts[:16]
     frames = [_frame(f.question) if not f.question.startswith(("Who painted", "Who discovered")) else f.question.split()[1]
               for f in facts]  # fmt: skip
     # 8 kinds x 16, interleaved
@@ -74,5 +75,9 @@ def test_the_capacity_set():
     keys = _distinct_keys(facts)
     assert not {f.question for f in facts} & {f.question for f in dev_facts()}
     assert not set(keys) & {f.key for f in dev_facts()}
+    if tune:  # nothing shared with the set it stands in for
+        report = capacity_facts()
+        assert not {f.question for f in facts} & {f.question for f in report}
+        assert not set(keys) & {f.key for f in report} and not {f.subject for f in facts} & {f.subject for f in report}
     with pytest.raises(ValueError, match="n must be"):
-        capacity_facts(0)
+        capacity_facts(0, tune=tune)

@@ -9,7 +9,9 @@ half and the second in the ``"report"`` half, so each half has 24 facts, every
 kind, and 12 whole sibling pairs.
 
 The capacity set (``capacity_facts``) is 128 further made-up facts of 8 kinds,
-for measuring how many facts a block holds; no setting was chosen on it.
+for measuring how many facts a block holds; no setting was chosen on it. The
+capacity tune set (``capacity_facts(tune=True)``) is 128 generated facts of
+the same kinds, on which settings at that scale are chosen.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ DEV_FACTS = DATA / "dev_facts.jsonl"
 NEAR_CONTROLS = DATA / "near_controls.txt"
 DEMO_FACTS_FILE = DATA / "demo_facts.jsonl"  # the four demo facts
 CAPACITY_FACTS = DATA / "capacity_facts.jsonl"
+CAPACITY_TUNE_FACTS = DATA / "capacity_tune_facts.jsonl"  # written by bench/make_capacity_tune.py
 HALVES = ("tune", "report")
 
 
@@ -43,11 +46,13 @@ def sibling_pairs(facts: list[Fact]) -> list[tuple[Fact, Fact]]:
     return list(zip(facts[0::2], facts[1::2]))
 
 
-def capacity_facts(n: int | None = None) -> list[Fact]:
+def capacity_facts(n: int | None = None, *, tune: bool = False) -> list[Fact]:
     """The capacity set: 128 more made-up facts (8 kinds x 16, each with its
     subject and one held-out rewording), never used to choose settings; the
-    first `n` of them (kinds interleaved) when `n` is given."""
-    facts = read_facts(CAPACITY_FACTS)
+    first `n` of them (kinds interleaved) when `n` is given. tune=True: the
+    capacity tune set instead, 128 generated facts of the same kinds for
+    choosing settings at capacity scale."""
+    facts = read_facts(CAPACITY_TUNE_FACTS if tune else CAPACITY_FACTS)
     if n is not None and not 0 < n <= len(facts):
         raise ValueError(f"n must be in 1..{len(facts)}, got {n!r}")
     return facts if n is None else facts[:n]

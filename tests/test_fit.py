@@ -105,6 +105,26 @@ def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
     assert torch.equal(block2.w_down, want_w)
 
 
+def test_checkpoint_keeps_per_neuron_thresholds_and_reads_one_for_all(tmp_path):
+    _, _, block, tr = setup(anchors=ANCHORS, steps=5)
+    tr.run()
+    path = tmp_path / "rank0.safetensors"
+    save_checkpoint(tr, path)
+    _, _, block2, tr2 = setup(anchors=ANCHORS, steps=5)
+    load_checkpoint(tr2, path)
+    assert block2.published_threshold.shape == (32,)
+    assert torch.equal(block2.published_threshold, block.published_threshold)
+    assert torch.equal(block2.threshold, block.threshold)
+    # A checkpoint holding one threshold for every neuron (as earlier ones do)
+    # loads as that number, and gates as it did.
+    block.threshold = block.published_threshold = 0.75
+    save_checkpoint(tr, path)
+    load_checkpoint(tr2, path)
+    assert block2.threshold == block2.published_threshold == 0.75
+    x = torch.cat(tr.anchor_inputs)
+    assert torch.equal(block2.gate_mask(x, block2.w_gate_up, 0.75), block2.gate_scores(x) > 0.75)
+
+
 def test_checkpoint_refuses_another_fingerprint_version(tmp_path):
     # A base fingerprint of another definition version cannot be compared with
     # this build's: the error names the file, both versions and what to do.
@@ -177,14 +197,14 @@ def test_a_new_job_trains_ungated_while_serving_keeps_the_published_gate():
     model, a, block, tr = setup(anchors=ANCHORS, steps=10)
     tr.run()
     published = block.published_threshold
-    assert published is not None and block.threshold == published
+    assert published is not None and torch.equal(block.threshold, published)
     served = logits(model)
     nxt = Trainer(a, block, ByteTokenizer(), [Fact("Color of glim?", "Red.")], tr.config, anchors=ANCHORS)
-    assert block.threshold is None and block.published_threshold == published
+    assert block.threshold is None and torch.equal(block.published_threshold, published)
     nxt.step(0)
     assert torch.equal(logits(model), served)
     nxt.publish()
-    assert block.published_threshold is not None and block.published_threshold != published
+    assert block.published_threshold is not None and not torch.equal(block.published_threshold, published)
 
 
 def test_anchor_penalty_is_the_documented_sum():
@@ -206,12 +226,13 @@ def test_gated_training_recalibrates_the_gate_before_each_step():
     model, a, block, tr = setup(anchors=ANCHORS, gated_from=3, steps=6)
     thresholds = []
     for i in range(6):
-        tops = [float(block.gate_scores(x).max()) for x in tr.anchor_inputs]
+        wg = block.w_gate_up.detach()[: block.local_neurons]
+        tops = torch.stack([(x @ wg.T).amax(0) for x in tr.anchor_inputs]).amax(0)  # per neuron
         tr.step(i)
-        thresholds.append((block.threshold, max(tops)))
+        thresholds.append((block.threshold, tops))
     assert all(t is None for t, _ in thresholds[:3])
     for t, top in thresholds[3:]:
-        assert t == top + tr.config.gate_margin * abs(top)
+        assert torch.equal(t, (top + tr.config.gate_margin * top.abs()).clamp_min(tr.config.gate_floor))
     # Masked tokens take no gradient: with every token below the gate the
     # facts' loss gives the block nothing (only the anchor output penalty would).
     model, a, block, tr = setup(gated_from=0, anchor_weight=0.0)

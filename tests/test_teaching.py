@@ -4,6 +4,7 @@ scoring, and the teach command's argument errors (all before any model loads).""
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -295,11 +296,50 @@ def test_keyed_training_learns_and_keeps_anchors_exact():
         assert torch.count_nonzero(block.block(x, published=True)) == 0
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_later_job_leaves_earlier_facts_neurons_as_they_were(freeze):
+    # freeze_taught: the second job trains only its own fact's neurons; the
+    # first job's rows are bit for bit what it published, whatever AdamW does
+    # (weight decay on, to make a zero gradient move them otherwise).
+    a, block, config = _setup(steps=8, weight_decay=0.1, freeze_taught=freeze)
+    tok = ByteTokenizer()
+    Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()
+    first = block.w_gate_up.detach().clone(), block.w_down.detach().clone()
+    tr2 = Trainer(a, block, tok, [Fact("Color of vex?", "Teal.")], config, anchors=ANCHORS)
+    tr2.run()
+    a_ = block.local_neurons
+    rows = list(range(8)) + [a_ + r for r in range(8)]
+    same = torch.equal(block.w_gate_up[rows], first[0][rows]) and torch.equal(block.w_down[:, :8], first[1][:, :8])
+    assert same == freeze
+    assert not torch.equal(block.w_down[:, 8:12], first[1][:, 8:12])  # the new fact's neurons trained
+    assert len(tr2.history) == 8 and all(math.isfinite(m.grad_norm) for m in tr2.history)
+
+
+def test_per_neuron_gate_thresholds():
+    # Each neuron's threshold sits above its own strongest anchor
+    # pre-activation (margin, floor); the gate stays shut on every anchor
+    # token and opens on the facts'.
+    a, block, config = _setup(steps=20, gate_margin=0.5, gate_floor=0.25)
+    tok = ByteTokenizer()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    tr.run()
+    thr = block.published_threshold
+    wg = block.published_gate_up[: block.local_neurons]
+    top = torch.stack([(x @ wg.T).amax(0) for x in tr.anchor_inputs]).amax(0)
+    assert thr.shape == (32,) and torch.equal(thr, (top + 0.5 * top.abs()).clamp_min(0.25))
+    assert (thr[8:] == 0.25).all()  # free (zero) neurons: the floor, so they never open the gate
+    for x in tr.anchor_inputs:
+        assert torch.count_nonzero(block.block(x, published=True)) == 0
+    fact_x = tr.block_inputs([(f.question, f.answer) for f in FACTS])
+    assert all(block.gate_mask(x, block.published_gate_up, thr).any() for x in fact_x)
+
+
 def test_config_checks_the_new_settings():
     for kw, msg in [
         ({"init": "zeros"}, "init must be"),
         ({"key_scale": 0}, "key_scale must be > 0"),
         ({"neurons_per_fact": 0}, "neurons_per_fact must be a positive int"),
+        ({"gate_floor": float("nan")}, "gate_floor must be a finite number"),
     ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)

@@ -88,7 +88,7 @@ def test_trainer_runs_as_the_protocol_job_body(tmp_path):
     fresh.block.publish()
     for name in ("published_gate_up", "published_down"):
         assert torch.equal(getattr(fresh.block, name), getattr(ranks[0].block, name))
-    assert fresh.block.published_threshold == ranks[0].block.published_threshold
+    assert torch.equal(fresh.block.published_threshold, ranks[0].block.published_threshold)
     assert torch.equal(fresh.logits(), ranks[0].logits())
 
 

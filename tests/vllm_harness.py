@@ -219,7 +219,8 @@ def served_and_hugging_face_replies(llm, model_dir: str, neurons: int, prompts: 
     with torch.no_grad():
         block.published_gate_up.copy_(torch.tensor(served[0][0]))
         block.published_down.copy_(torch.tensor(served[0][1]))
-    block.published_threshold = shards[0]["threshold"]
+    # The served block's thresholds: every rank's neurons, gathered.
+    block.published_threshold = torch.tensor(served[0][2])
     block.attach(a, None)  # the middle layer, as the server's block
     want = [generate_greedy_ids(hf, tok, p, max_tokens) for p in prompts]
     got = [ids for _, ids in greedy(llm, prompts, max_tokens)]

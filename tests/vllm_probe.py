@@ -26,10 +26,10 @@ class ProbeWorker(ResidentWorker):
             "neurons": [b.neuron_start, b.neuron_stop],
             "gate_up": b.published_gate_up.tolist(),
             "down": b.published_down.tolist(),
-            "threshold": b.published_threshold,
+            "threshold": b.published_threshold.tolist() if b.published_threshold is not None else None,
             "served_gate_up": st.served.gate_up.tolist(),
             "served_down": st.served.down.tolist(),
-            "served_threshold": float(st.served.threshold),
+            "served_threshold": st.served.threshold.tolist(),
         }
 
     @_guarded

@@ -31,6 +31,7 @@ from resident_trainer.train import (
     generate_greedy_batch,
     make_anchors,
 )
+from resident_trainer.train.block import threshold_summary
 from resident_trainer.train.negatives import near_negatives, per_fact
 
 
@@ -152,7 +153,7 @@ def teach_jobs(
                 "seconds": round(seconds, 2),
                 "loss_first": trainer.history[0].loss,
                 "loss_last": trainer.history[-1].loss,
-                "threshold": block.published_threshold,
+                "threshold": threshold_summary(block.published_threshold),
             }
         )
         if curve:

@@ -34,9 +34,11 @@ class AddedSharedNeurons(nn.Module):
     (`process_group`). Published (what serving uses): the buffers
     ``published_gate_up``, ``published_down`` and ``published_threshold``.
 
-    threshold: the exact no-op gate. When set, the block outputs exactly zero
-    (and takes no gradient) on tokens whose strongest gate pre-activation
-    ``max_a (x . Wg_a)`` is at or below it (over all ranks' neurons). None: off.
+    threshold: the exact no-op gate. A (A,) fp32 tensor of this rank's
+    neurons' thresholds t_a (what Trainer.calibrate_gate sets), or one float
+    t for every neuron: the block outputs exactly zero (and takes no gradient)
+    on tokens where no neuron's gate pre-activation exceeds its threshold,
+    ``max_a (x . Wg_a - t_a) <= 0`` (over all ranks' neurons). None: off.
     """
 
     def __init__(
@@ -76,8 +78,8 @@ class AddedSharedNeurons(nn.Module):
         self.w_down = nn.Parameter(torch.zeros(hidden_size, a, **kw))
         self.register_buffer("published_gate_up", gate_up.to(**kw).clone())
         self.register_buffer("published_down", torch.zeros(hidden_size, a, **kw))
-        self.threshold: float | None = None
-        self.published_threshold: float | None = None
+        self.threshold: Tensor | float | None = None
+        self.published_threshold: Tensor | float | None = None
         # What the block was taught (the facts, as JSON objects, each with the
         # global neuron range keyed on it, if any) and how many neurons, from
         # 0, are in use: the trainable side and the published side, like the
@@ -108,13 +110,26 @@ class AddedSharedNeurons(nn.Module):
         the gradient reaches the neuron(s) holding the max) or the published ones."""
         return self._scores(x, self.published_gate_up if published else self.w_gate_up)
 
-    def gate_mask(self, x: Tensor, w_gate_up: Tensor, threshold: float | None) -> Tensor | None:
-        """(...,) bool: tokens whose strongest gate pre-activation (over every
-        rank's neurons) exceeds `threshold`; None when there is no gate."""
+    def gate_margins(self, x: Tensor, w_gate_up: Tensor, threshold: Tensor | float) -> Tensor:
+        """(...,) fp32: each token's largest ``x . Wg_a - t_a`` over every
+        rank's neurons (the gate passes the token where it is > 0)."""
+        pre = (x @ w_gate_up[: self.local_neurons].T).float()
+        if isinstance(threshold, Tensor):
+            pre = pre - threshold.to(pre.device)
+        else:
+            pre = pre - float(threshold)
+        margin = pre.amax(-1)
+        if self.process_group is not None:
+            margin = max_over_ranks(margin, self.process_group)
+        return margin
+
+    def gate_mask(self, x: Tensor, w_gate_up: Tensor, threshold: Tensor | float | None) -> Tensor | None:
+        """(...,) bool: tokens where some neuron's gate pre-activation (over
+        every rank's neurons) exceeds its threshold; None when there is no gate."""
         if threshold is None:
             return None
         with torch.no_grad():
-            return self._scores(x, w_gate_up) > threshold
+            return self.gate_margins(x, w_gate_up, threshold) > 0
 
     def block(self, x: Tensor, *, published: bool, gated: bool = True) -> Tensor:
         """The block's output for input x (..., D): the trainable weights with
@@ -192,7 +207,7 @@ class AddedSharedNeurons(nn.Module):
         """Serving starts using the trained weights (and gate threshold)."""
         self.published_gate_up.copy_(self.w_gate_up)
         self.published_down.copy_(self.w_down)
-        self.published_threshold = self.threshold
+        self.published_threshold = _copy_threshold(self.threshold)
         self.published_memory = copy.deepcopy(self.memory)
 
     @torch.no_grad()
@@ -200,11 +215,23 @@ class AddedSharedNeurons(nn.Module):
         """Drop unpublished training: trainable weights back to the published."""
         self.w_gate_up.copy_(self.published_gate_up)
         self.w_down.copy_(self.published_down)
-        self.threshold = self.published_threshold
+        self.threshold = _copy_threshold(self.published_threshold)
         self.memory = copy.deepcopy(self.published_memory)
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_neurons={self.num_neurons}, "
-            f"local=[{self.neuron_start}, {self.neuron_stop}), threshold={self.threshold}"
+            f"local=[{self.neuron_start}, {self.neuron_stop}), threshold={threshold_summary(self.threshold)}"
         )
+
+
+def _copy_threshold(t: Tensor | float | None) -> Tensor | float | None:
+    return t.clone() if isinstance(t, Tensor) else t
+
+
+def threshold_summary(t: Tensor | float | None) -> float | None:
+    """A threshold as one number for reports: the largest of a per-neuron
+    tensor (over this rank's neurons), the float itself, or None."""
+    if isinstance(t, Tensor):
+        return float(t.max()) if t.numel() else None
+    return None if t is None else float(t)

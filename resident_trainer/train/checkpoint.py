@@ -40,13 +40,32 @@ def _checkpoint_tensors(trainer: Trainer) -> tuple[dict[str, Tensor], dict[str, 
         "base_fingerprint": trainer.base_fingerprint.hex,
         "fingerprint_version": str(FINGERPRINT_VERSION),
         "step": str(trainer.step_index),
-        "threshold": json.dumps(block.threshold),
-        "published_threshold": json.dumps(block.published_threshold),
+        "threshold": _threshold_meta(block.threshold, "threshold", tensors),
+        "published_threshold": _threshold_meta(block.published_threshold, "published_threshold", tensors),
         "neurons": json.dumps([block.neuron_start, block.neuron_stop, block.num_neurons]),
         "memory": json.dumps(block.memory),
         "published_memory": json.dumps(block.published_memory),
     }
     return tensors, meta
+
+
+# Per-neuron thresholds are stored as tensors under their own name; the
+# metadata then says so. A float (one threshold for every neuron, as earlier
+# checkpoints hold) or None stays a JSON number or null.
+_PER_NEURON = json.dumps("per_neuron")
+
+
+def _threshold_meta(t, name: str, tensors: dict[str, Tensor]) -> str:
+    if isinstance(t, Tensor):
+        tensors[name] = t.detach().float().contiguous()
+        return _PER_NEURON
+    return json.dumps(t)
+
+
+def _threshold_of(meta: dict[str, str], name: str, tensors: dict[str, Tensor], device) -> Tensor | float | None:
+    if meta[name] == _PER_NEURON:
+        return tensors[name].to(device)
+    return json.loads(meta[name])
 
 
 def checkpoint_bytes(trainer: Trainer) -> bytes:
@@ -111,8 +130,8 @@ def load_block(block, data: bytes, *, publish: bool = False) -> dict[str, str]:
         block.w_down.copy_(tensors["w_down"])
         block.published_gate_up.copy_(tensors["published_gate_up"])
         block.published_down.copy_(tensors["published_down"])
-    block.threshold = json.loads(meta["threshold"])
-    block.published_threshold = json.loads(meta["published_threshold"])
+    block.threshold = _threshold_of(meta, "threshold", tensors, block.w_down.device)
+    block.published_threshold = _threshold_of(meta, "published_threshold", tensors, block.w_down.device)
     # Checkpoints written before the block kept its memory: nothing taught on
     # record, and no neuron known to be free (the same answer on every rank).
     empty = json.dumps({"taught": [], "used": block.num_neurons})

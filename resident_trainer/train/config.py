@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -34,6 +35,8 @@ class TrainConfig:
     # the anchors (tune half): 0.5 kept 18/18 near controls and 22/24 facts;
     # 1.0 kept 17/18 and recalled 17/24 (a high gate hides the facts too).
     gate_margin: float = 0.5
+    # Per-neuron thresholds never go below this (Trainer.calibrate_gate).
+    gate_floor: float = 0.0
     # From this step on, recalibrate the gate before every step and train
     # through it, so the block learns to act through the tokens it passes
     # (None: the gate is set only after training).
@@ -53,6 +56,11 @@ class TrainConfig:
     # Rehearse the facts the block was taught before (its memory) in every
     # job, so a later job does not wash them out.
     rehearse: bool = True
+    # Earlier jobs' facts keep their neurons as they were: a job trains only
+    # its new facts' (and, with random rows, every) neuron. On the capacity
+    # tune set (8 jobs of 16, 1024 neurons, gate off) the block still held
+    # 67 of 80 facts after 5 jobs with this, against 34 of 80 without.
+    freeze_taught: bool = True
     # Run the examples' shared chat-template head once, block off, and train
     # on the rest (adapters with prefix_kv; the vLLM adapter has none yet,
     # and trains the block on every token).
@@ -70,6 +78,8 @@ class TrainConfig:
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.gate_floor, (int, float)) or not math.isfinite(self.gate_floor):
+            raise ValueError(f"gate_floor must be a finite number, got {self.gate_floor!r}")
         for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

@@ -87,6 +87,10 @@ class Trainer:
         entries = [e for e in memory["taught"] if e["question"] not in set(retract) | new_questions]
         self.kept = [_fact_of(e) for e in entries] if config.rehearse else []
         self._memory_before = memory
+        # Earlier facts' neurons take no update in this job (freeze_taught):
+        # their rows, local to this rank, are restored after every step.
+        frozen = [e["neurons"] for e in entries if e.get("neurons")] if config.freeze_taught else []
+        self._frozen_rows = self._local_rows(frozen)
         # Before any slow work: a block without room for the new facts says so.
         self.ranges = self.allocate() if config.init == "keyed" else [None] * len(self.facts)
         self.loss_fn = loss_fn or StreamedCrossEntropy(adapter)
@@ -168,6 +172,17 @@ class Trainer:
                 "least one each: use a block with more neurons (num_neurons) or start a new block"
             )
         return [[used + i * per, used + (i + 1) * per] for i in range(n)]
+
+    def _local_rows(self, ranges: Sequence[Sequence[int]]) -> Tensor | None:
+        """This rank's local indices of the neurons in global `ranges`
+        ([start, stop) each); None when there are none."""
+        b = self.block
+        idx = [
+            n - b.neuron_start
+            for start, stop in ranges
+            for n in range(max(start, b.neuron_start), min(stop, b.neuron_stop))
+        ]
+        return torch.tensor(sorted(set(idx)), dtype=torch.long, device=b.w_down.device) if idx else None
 
     @torch.no_grad()
     def _clear_rows(self, start: int, stop: int) -> None:
@@ -375,12 +390,26 @@ class Trainer:
                 shared=self.shared,
             )
         loss = float(res.loss)
+        rows, saved = self._frozen_rows, None
+        if rows is not None:
+            b = self.block
+            gu_rows = torch.cat([rows, rows + b.local_neurons])
+            for p_, sel, dim in ((b.w_gate_up, gu_rows, 0), (b.w_down, rows, 1)):
+                if p_.grad is not None:
+                    p_.grad.index_fill_(dim, sel, 0)  # out of the clipping norm too
+            saved = (b.w_gate_up.detach()[gu_rows].clone(), b.w_down.detach()[:, rows].clone(), gu_rows)
         norm = clip_grad_norm_(self.params, self.config.clip, self.block.process_group)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise TrainingAborted(
                 f"step {index}: loss {loss}, gradient norm {norm}: the job stops, nothing is published"
             )
         self.optimizer.step()
+        if saved is not None:
+            # Exactly as they were, whatever the optimizer does to a zero
+            # gradient (weight decay, moments).
+            with torch.no_grad():
+                self.block.w_gate_up[saved[2]] = saved[0]
+                self.block.w_down[:, rows] = saved[1]
         self.step_index = index + 1
         m = StepMetrics(index, loss - penalty_value, penalty_value, norm)
         self.history.append(m)
@@ -389,15 +418,30 @@ class Trainer:
     # --- the exact no-op gate --------------------------------------------------------
 
     @torch.no_grad()
-    def calibrate_gate(self) -> float | None:
-        """Set the block's threshold just above the strongest gate pre-activation
-        on any anchor token; returns it (None without anchors or gate off)."""
-        if not self.config.gate or not self.anchor_inputs:
-            self.block.threshold = None
+    def calibrate_gate(self) -> Tensor | None:
+        """Set each neuron's threshold just above its strongest gate
+        pre-activation on any anchor token, ``t_a = max(top_a + gate_margin *
+        |top_a|, gate_floor)``; returns the (A,) thresholds of this rank's
+        neurons (None without anchors or gate off). Each neuron is measured
+        on its own: a shared threshold (the largest over all neurons) rose as
+        facts were added, since some earlier fact's neurons answer the new
+        facts' near negatives strongly, and closed the gate on earlier facts
+        (capacity tune set, 8 jobs of 16 with earlier neurons frozen: 10 of
+        32 recalled after the second job with a shared threshold, 31 of 32
+        per neuron, where the block itself, ungated, held 31). A zero neuron
+        (free) has top 0 and threshold gate_floor, so it never opens the
+        gate; the floor also keeps a neuron negative on every anchor from
+        opening it on tokens that are merely less negative."""
+        b, cfg = self.block, self.config
+        if not cfg.gate or not self.anchor_inputs:
+            b.threshold = None
             return None
-        top = max(float(self.block.gate_scores(x).max()) for x in self.anchor_inputs)
-        self.block.threshold = top + self.config.gate_margin * abs(top)
-        return self.block.threshold
+        wg = b.w_gate_up[: b.local_neurons]
+        top = torch.full((b.local_neurons,), float("-inf"), dtype=torch.float32, device=wg.device)
+        for x in self.anchor_inputs:
+            torch.maximum(top, (x @ wg.T).float().amax(0), out=top)
+        b.threshold = (top + cfg.gate_margin * top.abs()).clamp_min(cfg.gate_floor)
+        return b.threshold
 
     # --- the job -------------------------------------------------------------------
 

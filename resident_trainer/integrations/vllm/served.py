@@ -24,8 +24,8 @@ from resident_trainer.ops.added_expert import added_expert
 
 class ServedBlock(nn.Module):
     """Published weights of the added block, whole: ``gate_up`` (2A, D), gate
-    rows first, ``down`` (D, A), and ``threshold`` (0-d; -inf: no gate). All
-    zero at first, so it adds exactly nothing."""
+    rows first, ``down`` (D, A), and ``threshold`` (A,), each neuron's gate
+    threshold (-inf: no gate). All zero at first, so it adds exactly nothing."""
 
     def __init__(self, hidden_size: int, num_neurons: int, *, dtype: torch.dtype, device) -> None:
         super().__init__()
@@ -33,14 +33,14 @@ class ServedBlock(nn.Module):
         self.num_neurons = num_neurons
         self.register_buffer("gate_up", torch.zeros(2 * num_neurons, hidden_size, **kw))
         self.register_buffer("down", torch.zeros(hidden_size, num_neurons, **kw))
-        self.register_buffer("threshold", torch.full((), float("-inf"), dtype=torch.float32, device=device))
+        self.register_buffer("threshold", torch.full((num_neurons,), float("-inf"), dtype=torch.float32, device=device))
         self.version = "zero"
         self.zero = True  # nothing published yet: the block adds exactly nothing
 
     def delta(self, x: Tensor) -> Tensor:
         """The block's output for the feed-forward input x (..., D)."""
-        score = (x @ self.gate_up[: self.num_neurons].T).float().amax(-1)
-        return added_expert(x, self.gate_up, None, self.down, token_mask=score > self.threshold)
+        margin = ((x @ self.gate_up[: self.num_neurons].T).float() - self.threshold).amax(-1)
+        return added_expert(x, self.gate_up, None, self.down, token_mask=margin > 0)
 
     def hook(self, module: nn.Module, inputs, output):
         # Eager serving skips a block that is still all zero. A compiled
@@ -51,11 +51,15 @@ class ServedBlock(nn.Module):
         return output + self.delta(inputs[0]).to(output.dtype)
 
     @torch.no_grad()
-    def load(self, gate_up: Tensor, down: Tensor, threshold: float | None, version: str) -> None:
-        """Serve these weights from the next forward on (in place)."""
+    def load(self, gate_up: Tensor, down: Tensor, threshold: Tensor | float | None, version: str) -> None:
+        """Serve these weights from the next forward on (in place). threshold:
+        (A,) per neuron, one float for all, or None (no gate)."""
         self.gate_up.copy_(gate_up)
         self.down.copy_(down)
-        self.threshold.fill_(float("-inf") if threshold is None else float(threshold))
+        if isinstance(threshold, Tensor):
+            self.threshold.copy_(threshold)
+        else:
+            self.threshold.fill_(float("-inf") if threshold is None else float(threshold))
         self.version = version
         self.zero = not bool(self.down.any())
 

@@ -278,7 +278,9 @@ class ResidentWorker:
         st.trainer.publish()
         self._rt_serve_published(version)
         self._rt_end_job()
-        return {"version": version, "threshold": st.block.published_threshold}
+        from resident_trainer.train.block import threshold_summary
+
+        return {"version": version, "threshold": threshold_summary(st.block.published_threshold)}
 
     @_guarded
     def rt_discard(self) -> dict:
@@ -301,9 +303,16 @@ class ResidentWorker:
         b = st.block
         a = b.local_neurons
         gate, up, down = b.published_gate_up[:a], b.published_gate_up[a:], b.published_down
+        thr = b.published_threshold
+        if isinstance(thr, torch.Tensor):
+            thr = thr.to(device=down.device, dtype=torch.float32)
+        elif thr is not None:  # one threshold for every neuron (an earlier checkpoint)
+            thr = torch.full((a,), float(thr), dtype=torch.float32, device=down.device)
         if st.world > 1:
             gate, up, down = (self._rt_gather(t, dim) for t, dim in ((gate, 0), (up, 0), (down, 1)))
-        st.served.load(torch.cat([gate, up]), down, b.published_threshold, version)
+            # Every rank has a gate or none (they calibrate at the same publish).
+            thr = None if thr is None else self._rt_gather(thr, 0)
+        st.served.load(torch.cat([gate, up]), down, thr, version)
 
     def _rt_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         st = self._rt

@@ -315,6 +315,17 @@ def test_a_later_job_leaves_earlier_facts_neurons_as_they_were(freeze):
     assert len(tr2.history) == 8 and all(math.isfinite(m.grad_norm) for m in tr2.history)
 
 
+def test_rehearsal_share_of_the_microbatch():
+    a, block, config = _setup(rehearse_share=0.25, batch_size=8)
+    tok = ByteTokenizer()
+    Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()
+    tr2 = Trainer(a, block, tok, [Fact("Color of vex?", "Teal.")], config, anchors=ANCHORS)
+    assert all(sum(p >= tr2.n_new for p in tr2._picks(i)) == 2 for i in range(6))  # 0.25 of 8
+    for bad in (0, 1.5, "half"):
+        with pytest.raises(ValueError, match="rehearse_share must be in"):
+            TrainConfig(rehearse_share=bad)
+
+
 def test_per_neuron_gate_thresholds():
     # Each neuron's threshold sits above its own strongest anchor
     # pre-activation (margin, floor); the gate stays shut on every anchor

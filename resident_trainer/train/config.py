@@ -35,8 +35,12 @@ class TrainConfig:
     # the anchors (tune half): 0.5 kept 18/18 near controls and 22/24 facts;
     # 1.0 kept 17/18 and recalled 17/24 (a high gate hides the facts too).
     gate_margin: float = 0.5
-    # Per-neuron thresholds never go below this (Trainer.calibrate_gate).
-    gate_floor: float = 0.0
+    # Per-neuron thresholds never go below this (Trainer.calibrate_gate), in
+    # pre-activation units (a keyed neuron starts key_scale = 4 above the
+    # anchors' mean at its key). Tune half, one job of 24: floor 0 left 12/14
+    # generic and 16/18 near controls identical, 1.0 13/14 and 16/18, 1.5
+    # 14/14 and 18/18 (facts 23, 23, 22 of 24).
+    gate_floor: float = 1.5
     # From this step on, recalibrate the gate before every step and train
     # through it, so the block learns to act through the tokens it passes
     # (None: the gate is set only after training).
@@ -61,6 +65,9 @@ class TrainConfig:
     # tune set (8 jobs of 16, 1024 neurons, gate off) the block still held
     # 67 of 80 facts after 5 jobs with this, against 34 of 80 without.
     freeze_taught: bool = True
+    # At most this share of a microbatch rehearses earlier facts while a job
+    # has new ones (in proportion to their number, at least one example).
+    rehearse_share: float = 0.5
     # Run the examples' shared chat-template head once, block off, and train
     # on the rest (adapters with prefix_kv; the vLLM adapter has none yet,
     # and trains the block on every token).
@@ -78,6 +85,8 @@ class TrainConfig:
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not (isinstance(self.rehearse_share, (int, float)) and 0 < self.rehearse_share <= 1):
+            raise ValueError(f"rehearse_share must be in (0, 1], got {self.rehearse_share!r}")
         if not isinstance(self.gate_floor, (int, float)) or not math.isfinite(self.gate_floor):
             raise ValueError(f"gate_floor must be a finite number, got {self.gate_floor!r}")
         for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin"):

@@ -331,10 +331,12 @@ class Trainer:
 
     def _picks(self, index: int) -> list[int]:
         """Microbatch `index`'s examples: a rotation through the new facts'
-        and, for a share of the batch (proportional, at most half while there
-        are new facts), one through the rehearsed facts'."""
+        and, for a share of the batch (proportional, at most rehearse_share of
+        it, and at least one example, while there are new facts), one through
+        the rehearsed facts'."""
         k, new, old = self.config.batch_size, self.n_new, len(self.examples) - self.n_new
-        k_old = 0 if not old else k if not new else min(k // 2, max(1, round(k * old / (old + new))))
+        cap = max(1, int(k * self.config.rehearse_share))
+        k_old = 0 if not old else k if not new else min(cap, max(1, round(k * old / (old + new))))
         picks = [(index * (k - k_old) + j) % new for j in range(k - k_old)] if new else []
         return picks + [new + (index * k_old + j) % old for j in range(k_old)]
 

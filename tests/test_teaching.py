@@ -207,7 +207,11 @@ def test_retraction_clears_the_facts_neurons_and_keeps_the_rest(tmp_path):
     )
     assert _rows_zero(block, 0, 4) and not _rows_zero(block, 4, 8)
     assert [f.question for f in tr.kept] == [FACTS[1].question] and tr.n_new == 0
+    kept_down = block.w_down.detach()[:, 4:8].clone()
     tr.run()
+    # A job that only retracts trains the kept fact's neurons (freeze_taught
+    # holds only while a job teaches new facts).
+    assert not torch.equal(block.w_down[:, 4:8], kept_down)
     assert [e["question"] for e in block.published_memory["taught"]] == [FACTS[1].question]
     # The checkpoint carries the memory.
     path = tmp_path / "block.safetensors"

@@ -54,8 +54,12 @@ def test_config_defaults_and_environment():
         "RESIDENT_TRAINER_WATCH_LAYER": "4",
         "RESIDENT_TRAINER_HOTLOAD": "1",
         "RESIDENT_TRAINER_TIMEOUT": "2",
+        "RESIDENT_TRAINER_SERVE_SHARE": "0.5",
+        "RESIDENT_TRAINER_FIRST_TOKEN_WAIT": "2.5",
     }
+    assert (d.serve_share, d.first_token_wait) == (1.0, 5.0)
     c = ProtocolConfig.from_env(env)
+    assert (c.serve_share, c.first_token_wait) == (0.5, 2.5)
     assert (c.authority, c.receipts_dir, c.checkpoints_dir, c.state_dir) == ("s3cret", "/r", "/c", "/s")
     assert (c.master_port, c.layer, c.watch_layer, c.hotload) == (30000, 3, 4, True)
     assert (c.timeouts.exchange, c.timeouts.decision, c.timeouts.group) == (2.0, 6.0, 12.0)
@@ -71,6 +75,9 @@ def test_config_defaults_and_environment():
         ("HOTLOAD", "maybe", "HOTLOAD must be 0 or 1"),
         ("TIMEOUT", "soon", "TIMEOUT must be a number"),
         ("LAYER", "-1", "layer must be None or a non-negative int"),
+        ("SERVE_SHARE", "half", "SERVE_SHARE must be a number"),
+        ("FIRST_TOKEN_WAIT", "-1", "first_token_wait must be a finite number >= 0"),
+        ("FIRST_TOKEN_WAIT", "inf", "first_token_wait must be a finite number >= 0"),
     ],
 )
 def test_config_errors_name_the_variable(name, value, match):
@@ -508,3 +515,42 @@ def test_public_surface_and_no_import_time_side_effects(tmp_path):
     }
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True)
     assert list(tmp_path.iterdir()) == []  # nothing written, no directory made
+
+
+def test_chats_waiting_for_a_first_token_keep_the_engine_past_the_share(tmp_path):
+    """The serve window between two microbatches lasts serve_share x the step
+    while chats decode, and longer while a chat still waits for its first
+    token (a prefill longer than the share), but never past first_token_wait."""
+    import asyncio
+    import time
+
+    from resident_trainer.integrations.vllm.driver import JobRunner
+
+    def runner(waiting, live, share=1.0, first_token_wait=5.0):
+        cfg = ProtocolConfig(
+            receipts_dir=str(tmp_path / "r"), checkpoints_dir=str(tmp_path / "c"),
+            serve_share=share, first_token_wait=first_token_wait,
+        )  # fmt: skip
+
+        async def call(c):
+            raise AssertionError("no engine call in the serve window")
+
+        return JobRunner(call, world=1, config=cfg, shutdown=lambda why: None, chats_live=live, chats_waiting=waiting)
+
+    def window(r, step_seconds):
+        t0 = time.perf_counter()
+        asyncio.run(r._serve_between(step_seconds))
+        return time.perf_counter() - t0
+
+    # No chats: the next microbatch goes at once.
+    assert window(runner(lambda: 0, lambda: 0), 10.0) < 1.0
+    # Chats decoding, none waiting: the share of the step (0.05 s), then on.
+    w = window(runner(lambda: 0, lambda: 3), 0.05)
+    assert 0.05 <= w < 3.0
+    # A chat waits for its first token for 0.3 s: the window lasts that long.
+    t_first = time.perf_counter() + 0.3
+    w = window(runner(lambda: 17 if time.perf_counter() < t_first else 0, lambda: 1), 0.01)
+    assert 0.3 <= w < 3.0
+    # A first token that never comes: the window ends at first_token_wait.
+    w = window(runner(lambda: 17, lambda: 1, first_token_wait=0.2), 0.01)
+    assert 0.2 <= w < 3.0

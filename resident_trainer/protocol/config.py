@@ -90,14 +90,13 @@ class ProtocolConfig:
     hotload: bool = False
     timeouts: Timeouts = field(default_factory=Timeouts)
     serve_share: float = 1.0
+    first_token_wait: float = 5.0
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.serve_share, bool)
-            or not isinstance(self.serve_share, (int, float))
-            or not self.serve_share >= 0
-        ):
-            raise ValueError(f"serve_share must be a number >= 0, got {self.serve_share!r}")
+        for name in ("serve_share", "first_token_wait"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not isinstance(self.authority, str):
             raise TypeError(f"authority must be a str, got {type(self.authority).__name__}")
         for name in ("receipts_dir", "checkpoints_dir", "state_dir", "host"):
@@ -156,11 +155,15 @@ class ProtocolConfig:
             timeouts = Timeouts.scaled(exchange)
         else:
             timeouts = d.timeouts
-        raw_share = env.get(ENV_PREFIX + "SERVE_SHARE")
-        try:
-            share = float(raw_share) if raw_share else d.serve_share
-        except ValueError:
-            raise ValueError(f"{ENV_PREFIX}SERVE_SHARE must be a number, got {raw_share!r}") from None
+        def number(name: str, default: float) -> float:
+            raw = env.get(ENV_PREFIX + name)
+            try:
+                return float(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"{ENV_PREFIX}{name} must be a number, got {raw!r}") from None
+
+        share = number("SERVE_SHARE", d.serve_share)
+        first_token_wait = number("FIRST_TOKEN_WAIT", d.first_token_wait)
         port = integer("MASTER_PORT", d.master_port)
         if not 0 < port < 65536:
             raise ValueError(f"{ENV_PREFIX}MASTER_PORT must be in 1..65535, got {port}")
@@ -178,4 +181,5 @@ class ProtocolConfig:
             hotload=flag("HOTLOAD"),
             timeouts=timeouts,
             serve_share=share,
+            first_token_wait=first_token_wait,
         )

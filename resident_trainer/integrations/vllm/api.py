@@ -204,9 +204,15 @@ class ResidentEndpoints:
             # Our own anchor requests run only at start-up, before any job.
             return int(engine_client.get_num_unfinished_requests())
 
+        def chats_waiting() -> int:
+            # Prompt tokens of the chats that have not had their first token.
+            queued = getattr(engine_client, "get_num_queued_tokens", None)
+            return int(queued()) if queued is not None else 0
+
         runner = JobRunner(
-            call, world=world, config=config, shutdown=_shutdown, metrics=Metrics(), chats_live=chats_live
-        )
+            call, world=world, config=config, shutdown=_shutdown, metrics=Metrics(),
+            chats_live=chats_live, chats_waiting=chats_waiting,
+        )  # fmt: skip
         tokenizer = engine_client.get_tokenizer()
         if hasattr(tokenizer, "__await__"):  # a coroutine in some vLLM releases
             tokenizer = await tokenizer

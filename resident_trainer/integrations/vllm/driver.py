@@ -183,9 +183,10 @@ class JobRunner:
         shutdown: Callable[[str], None],
         metrics: Any = None,
         chats_live: Callable[[], int] = lambda: 0,
+        chats_waiting: Callable[[], int] = lambda: 0,
     ) -> None:
         self.call, self.world, self.config, self.shutdown = call, world, config, shutdown
-        self.chats_live = chats_live
+        self.chats_live, self.chats_waiting = chats_live, chats_waiting
         self.metrics = metrics
         self.fs = LocalFileSystem()
         self.clock = MonotonicClock()
@@ -367,11 +368,21 @@ class JobRunner:
     async def _serve_between(self, step_seconds: float) -> None:
         """While chats are live, leave the engine to them for serve_share x
         the last microbatch's time (or until they finish): one call per
-        microbatch alone would let a chat decode one token per microbatch."""
+        microbatch alone would let a chat decode one token per microbatch.
+        Chats still waiting for their first token keep the engine beyond that
+        share, up to first_token_wait seconds: a prefill longer than the share
+        would otherwise wait for a second microbatch."""
         budget = self.config.serve_share * step_seconds
+        cap = max(budget, self.config.first_token_wait)
         t0 = time.perf_counter()
-        while budget > 0 and self.chats_live() and time.perf_counter() - t0 < budget:
-            await asyncio.sleep(min(0.02, budget))
+        while True:
+            waited = time.perf_counter() - t0
+            if self.chats_waiting() and waited < cap:
+                await asyncio.sleep(min(0.01, cap - waited))
+            elif self.chats_live() and waited < budget:
+                await asyncio.sleep(min(0.02, budget - waited))
+            else:
+                return
 
     def _lose(self, why: str) -> None:
         self.lost = why

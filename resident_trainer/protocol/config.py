@@ -155,6 +155,7 @@ class ProtocolConfig:
             timeouts = Timeouts.scaled(exchange)
         else:
             timeouts = d.timeouts
+
         def number(name: str, default: float) -> float:
             raw = env.get(ENV_PREFIX + name)
             try:

@@ -4,8 +4,10 @@ trainer inside, driven over HTTP:
 
 - vLLM's routes and ours in one app; nothing runs without the authority;
   malformed requests get 4xx naming the field and the server goes on serving;
-- 8 concurrent chats during a job: none fails, and the p99 time to first
-  token is at most the idle p99 plus one microbatch (both measured here);
+- 8 concurrent chats during a job: none fails, no microbatch starts between
+  a chat's arrival and its first token but the one the driver may have been
+  issuing as it arrived, and the p99 time to first token stays within twice
+  the idle p99 plus one microbatch (both measured here) with room to spare;
 - a STOP file and a DELETE end a job at a boundary; the served block stays;
 - kill -9 of a worker mid-job: the supervisor restarts the server under the
   recovery lock, the last good block is served again, the base fingerprint is
@@ -144,14 +146,31 @@ def test_chats_during_a_job_wait_at_most_one_microbatch(server):
     assert status == 202, reply
     job = reply["id"]
     wait_job(url, job, pred=lambda st: st["step"] >= 1)
-    during = summary(asyncio.run(chat_round(url, "smollm2-tp2", prompts)))
+    chats = asyncio.run(chat_round(url, "smollm2-tp2", prompts))
+    during = summary(chats)
     _, st = http("GET", f"{url}/v1/jobs/{job}")
     assert st["state"] == "running", "the job ended before the chats did: nothing was measured during it"
     st = wait_job(url, job)
-    print(f"\nidle {idle}\nduring {during}\njob {st}")
+    # When the driver issued each microbatch (its phase log, time.monotonic
+    # like the chats' timestamps).
+    phases = Path(server.root, "receipts", "rank0", "phases.jsonl").read_text().splitlines()
+    issued = [r["t"] for r in map(json.loads, phases) if r.get("job") == job and r["phase"] == "step"]
+    started = [sum(c.sent < t < c.first for t in issued) for c in chats if c.first is not None]
+    print(f"\nidle {idle}\nduring {during}\njob {st}\nmicrobatches started while a chat waited: {started}")
     assert st["state"] == "published", st
-    assert idle["failed"] == 0 and during["failed"] == 0
-    assert during["ttft_p99"] <= idle["ttft_p99"] + st["step_seconds_max"], (idle, during, st)
+    assert idle["failed"] == 0 and during["failed"] == 0 and len(started) == len(chats)
+    # The driver leaves the engine to a chat from its arrival to its first
+    # token; the one microbatch it may have been issuing as the chat came in
+    # is the only one that can start in between.
+    assert max(started) <= 1, (started, issued, [(c.sent, c.first) for c in chats])
+    # Time to first token: the microbatch in flight, then the chat's own
+    # handling, which shares the 2 cores with training while it runs, then
+    # its prefill. 8 chats took 1.1-1.5 s during a job against 0.43-0.46 s
+    # idle, with microbatches of 0.7-0.8 s: the handling the training slowed
+    # and chats entering the engine one after another cost up to one more
+    # prefill. The bound below has room for that twice over; a chat held
+    # for a second microbatch or for first_token_wait (5 s) exceeds it.
+    assert during["ttft_p99"] <= 2 * (idle["ttft_p99"] + st["step_seconds_max"]), (idle, during, st)
     assert st["fingerprint_before"] == st["fingerprint_after"]
     _, trainer = http("GET", f"{url}/v1/trainer")
     assert trainer["served"] == job and {r["version"] for r in trainer["ranks"]} == {job}

@@ -164,14 +164,39 @@ def _shutdown(why: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+class ChatArrivals:
+    """Pure ASGI middleware counting the open POST requests outside the jobs
+    routes (chats and completions): a chat counts from its first byte, before
+    the server has rendered, tokenized and handed it to the engine (about a
+    tenth of a second on 2 cores, long enough for the driver to start another
+    microbatch in between), until its response is sent."""
+
+    def __init__(self, app, counter: list[int]) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path", "").startswith("/v1/jobs"):
+            await self.app(scope, receive, send)
+            return
+        self.counter[0] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter[0] -= 1
+
+
 class ResidentEndpoints:
     """The vLLM endpoint plugin: the jobs routes and the driver that runs them."""
 
     name = "resident_trainer"
     required_tasks = ("generate",)
 
+    def __init__(self) -> None:
+        self.open_posts = [0]  # ChatArrivals' count
+
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
+        app.add_middleware(ChatArrivals, counter=self.open_posts)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
@@ -205,9 +230,11 @@ class ResidentEndpoints:
             return int(engine_client.get_num_unfinished_requests())
 
         def chats_waiting() -> int:
-            # Prompt tokens of the chats that have not had their first token.
+            # Nonzero while a chat waits for its first token: received but
+            # not yet in the engine, or in the engine and still prefilling.
+            arriving = max(0, self.open_posts[0] - chats_live())
             queued = getattr(engine_client, "get_num_queued_tokens", None)
-            return int(queued()) if queued is not None else 0
+            return arriving + (1 if queued is not None and queued() else 0)
 
         runner = JobRunner(
             call, world=world, config=config, shutdown=_shutdown, metrics=Metrics(),

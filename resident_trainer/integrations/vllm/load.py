@@ -22,6 +22,8 @@ class ChatResult:
     tokens: int = 0
     seconds: float = 0.0
     error: str | None = None
+    sent: float = 0.0  # time.monotonic() when the request went out
+    first: float | None = None  # time.monotonic() at its first token
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> ChatResult:
@@ -32,7 +34,7 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, timeo
         "temperature": 0,
         "stream": True,
     }
-    out = ChatResult(prompt, ok=False)
+    out = ChatResult(prompt, ok=False, sent=time.monotonic())
     t0 = time.perf_counter()
     last = None
     try:
@@ -49,7 +51,7 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, timeo
                     continue
                 now = time.perf_counter()
                 if last is None:
-                    out.ttft = now - t0
+                    out.ttft, out.first = now - t0, time.monotonic()
                 else:
                     out.itl.append(now - last)
                 last = now

@@ -4,13 +4,14 @@ chosen on the tune half): SmolLM2-135M-Instruct in this process.
     python bench/teach_eval.py [--half report] [--out docs/teaching.json] [--plots docs]
 
 Runs, one after the other, with the shipped TrainConfig and near negatives:
-1. one job of the half's 24 facts, scored at 20, 40 and 60 steps, with the
-   baselines (gate off; the fact given in the prompt);
+1. one job of the half's 24 facts (two rounds of 12, 120 steps: the steps a
+   job takes when none are given, `train.steps_for`), scored at 40, 80 and 120
+   steps, with the baselines (gate off; the fact given in the prompt);
 2. the same 24 facts in 4 jobs of 6 on one block, scored after each job;
 3. a retraction job removing 2 of them;
 4. capacity: the 128 facts of the capacity set (no setting was chosen on
-   them) in one job, on a block of 1024 neurons, with steps scaled to the
-   facts (as 60 are to 24: 320);
+   them) in one job, on a block of 1024 neurons (8 rounds of 16, 60 steps
+   each: 480);
 5. the same 128 in 8 jobs of 16 on one block, scored after each job.
 Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
 rewordings and controls against steps, against jobs (facts taught so far),
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     from resident_trainer.eval.report import summary_line
     from resident_trainer.eval.teach import split_jobs, teach_jobs
     from resident_trainer.models import load_smollm2
-    from resident_trainer.train import TrainConfig
+    from resident_trainer.train import TrainConfig, steps_for
 
     cpu = cpu_model()
     print(f"CPU: {cpu}; {torch.get_num_threads()} threads", flush=True)
@@ -85,14 +86,22 @@ def main(argv=None) -> int:
     # 8 neurons a fact: 1024 hold 128 facts (the default 256 hold 32).
     wide = dataclasses.replace(config, num_neurons=1024)
     runs = [
-        ("one_job", dict(jobs=split_jobs(facts, 1), baselines=True, curve_steps=(20, 40))),
+        (
+            "one_job",
+            dict(
+                jobs=split_jobs(facts, 1),
+                baselines=True,
+                curve_steps=(40, 80),
+                config=dataclasses.replace(config, steps=steps_for(len(facts))),
+            ),
+        ),
         (
             "four_jobs",
             dict(jobs=split_jobs(facts, 4), score_each_job=True, retract=[facts[0].question, facts[9].question]),
         ),
         (
             "capacity_one_job",
-            dict(jobs=split_jobs(many, 1), config=dataclasses.replace(wide, steps=config.steps * len(many) // 24)),
+            dict(jobs=split_jobs(many, 1), config=dataclasses.replace(wide, steps=steps_for(len(many)))),
         ),
         ("capacity_eight_jobs", dict(jobs=split_jobs(many, 8), score_each_job=True, config=wide)),
     ]
@@ -154,7 +163,7 @@ def plot(out: dict, folder: str) -> None:
         ax.set_ylim(-0.03, 1.03)
         if ticks:
             ax.set_xticks(xs)
-        ax.set_title(f"SmolLM2-135M, {title}; {out['cpu']}", fontsize=9)
+        ax.set_title(f"SmolLM2-135M, {title}\n{out['cpu']}", fontsize=8)  # two lines: the CPU name is long
         ax.legend(fontsize=8, loc=loc)
         fig.tight_layout()
         fig.savefig(os.path.join(folder, name), dpi=120)
@@ -163,7 +172,7 @@ def plot(out: dict, folder: str) -> None:
     one = out["one_job"]
     points = [(c["steps"], c) for c in one["jobs"][0].get("curve", [])]
     points.append((one["jobs"][0]["steps"], one["summary"]))
-    figure([x for x, _ in points], [c for _, c in points], "training steps (one job of 24 facts)",
+    figure([x for x, _ in points], [c for _, c in points], "training steps (one job of 24 facts: 12 in steps 0-60, 12 in 60-120)",
            f"{out['half']} half", "teaching_steps.png", "lower right", ticks=False)  # fmt: skip
 
     rows = [j["summary"] for j in out["four_jobs"]["jobs"] if "summary" in j]
@@ -175,7 +184,7 @@ def plot(out: dict, folder: str) -> None:
     rows = [j["summary"] for j in out["capacity_eight_jobs"]["jobs"] if "summary" in j]
     single = out.get("capacity_one_job")
     also = None if single is None else (single["summary"]["facts"], single["summary"])
-    xlabel = "facts held (capacity set, jobs of 16" + ("; squares: all 128 in one job)" if also else ")")
+    xlabel = "facts held (capacity set, jobs of 16" + ("; squares: all 128 in one job, rounds of 16)" if also else ")")
     figure([r["facts"] for r in rows], rows, xlabel,
            "1024 neurons, after each job", "teaching_facts.png", "lower left", also=also)  # fmt: skip
 

@@ -554,3 +554,19 @@ def test_chats_waiting_for_a_first_token_keep_the_engine_past_the_share(tmp_path
     # A first token that never comes: the window ends at first_token_wait.
     w = window(runner(lambda: 17, lambda: 1, first_token_wait=0.2), 0.01)
     assert 0.2 <= w < 3.0
+
+
+def test_a_server_job_without_steps_takes_them_per_round_of_its_facts(tmp_path):
+    from resident_trainer.integrations.vllm.driver import JobRunner
+
+    cfg = ProtocolConfig(receipts_dir=str(tmp_path / "r"), checkpoints_dir=str(tmp_path / "c"))
+
+    async def call(c):
+        raise AssertionError("not started")
+
+    r = JobRunner(call, world=1, config=cfg, shutdown=lambda why: None)
+    facts = [{"question": f"Capital of Zorb{i}?", "answer": f"Quen{i}."} for i in range(30)]
+    assert r.submit({"facts": facts[:2]}).steps == 60
+    assert r.submit({"facts": facts}).steps == 120  # two rounds of 15
+    assert r.submit({"facts": facts, "round_facts": 10}).steps == 180
+    assert r.submit({"facts": facts, "steps": 7}).steps == 7

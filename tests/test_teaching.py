@@ -28,6 +28,7 @@ from resident_trainer.train import (
     load_checkpoint,
     parse_fact,
     read_facts,
+    steps_for,
 )
 from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, subject_span
 
@@ -328,6 +329,52 @@ def test_rehearsal_share_of_the_microbatch():
     for bad in (0, 1.5, "half"):
         with pytest.raises(ValueError, match="rehearse_share must be in"):
             TrainConfig(rehearse_share=bad)
+
+
+def test_a_job_with_more_facts_than_a_round_trains_them_round_after_round():
+    # 5 facts, rounds of at most 2: sizes 1, 2, 2 over steps [0,3), [3,6),
+    # [6,9). A round trains only its own facts' neurons (the others' rows stay
+    # bit for bit), rehearses the earlier rounds' facts and starts AdamW
+    # afresh; weight decay on, so a held row would move if it were not held.
+    facts = [*FACTS, Fact("Color of vex?", "Teal."), Fact("Who wrote Plin?", "Oda."), Fact("Size of Mox?", "Tiny.")]
+    a, block, config = _setup(steps=9, round_facts=2, weight_decay=0.1, neurons_per_fact=4)
+    tr = Trainer(a, block, ByteTokenizer(), facts, config, anchors=ANCHORS)
+    assert tr.rounds == [(0, 1, 0, 3), (1, 3, 3, 6), (3, 5, 6, 9)]
+    assert [tr.round_of(i) for i in (0, 2, 3, 5, 6, 8, 20)] == [0, 0, 1, 1, 2, 2, 2]
+    assert all(p < tr._fact_examples[1] for i in range(3) for p in tr._picks(i))  # round 0: fact 0 alone
+    for i in range(3, 6):  # round 1: facts 1-2, and fact 0 rehearsed in 1 of 4
+        pk = tr._picks(i)
+        assert sum(p < tr._fact_examples[1] for p in pk) == 1
+        assert sum(tr._fact_examples[1] <= p < tr._fact_examples[3] for p in pk) == 3
+    a_ = block.local_neurons
+
+    def rows(lo, hi):
+        idx = list(range(4 * lo, 4 * hi))
+        return block.w_gate_up.detach()[idx + [a_ + j for j in idx]].clone(), block.w_down.detach()[:, idx].clone()
+
+    def same(x, y):
+        return torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+    later = rows(1, 5)
+    for i in range(3):
+        tr.step(i)
+    assert same(rows(1, 5), later) and not torch.equal(block.w_down[:, :4], torch.zeros_like(block.w_down[:, :4]))
+    first, last = rows(0, 1), rows(3, 5)
+    tr.step(3)
+    w = block.w_down
+    assert int(tr.optimizer.state[w]["step"]) == 1  # AdamW started afresh with the round
+    for i in range(4, 6):
+        tr.step(i)
+    assert same(rows(0, 1), first) and same(rows(3, 5), last) and not same(rows(1, 3), later)
+    # One round for a job within round_facts: every new fact trains from step 0.
+    a, block, config = _setup(steps=4, round_facts=2)
+    tr = Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=ANCHORS)
+    assert tr.rounds == [(0, 2, 0, 4)]
+    with pytest.raises(ValueError, match="round_facts must be a positive int"):
+        TrainConfig(round_facts=0)
+    # Steps when none are given: 60 for each round of up to 24 facts.
+    assert [steps_for(n) for n in (0, 1, 24, 25, 128)] == [60, 60, 60, 120, 360]
+    assert steps_for(128, round_facts=16, per_round=10) == 80
 
 
 def test_per_neuron_gate_thresholds():

@@ -75,7 +75,11 @@ def add_parser(sub) -> None:
         help="also measure, in the same run, the block with its gate off and the fact given in the prompt",
     )
     t.add_argument(
-        "--steps", type=int, default=TrainConfig.steps, help=f"microbatch steps per job (default: {TrainConfig.steps})"
+        "--steps",
+        type=int,
+        default=None,
+        help=f"microbatch steps per job (default: {TrainConfig.steps} for each round of up to "
+        f"{TrainConfig.round_facts} of the job's facts: a job of more facts trains them round after round)",
     )
     t.add_argument(
         "--layer", type=int, default=TrainConfig.layer, help="layer of the block, 0-29 (default: the middle layer, 15)"
@@ -113,9 +117,15 @@ def _lines(path: str, what: str) -> list[str]:
     return out
 
 
+def _split(facts, jobs: int):
+    from resident_trainer.eval.teach import split_jobs
+
+    return split_jobs(facts, jobs)
+
+
 def cmd_teach(args: argparse.Namespace) -> int:
     from resident_trainer.eval.devset import DEMO_FACTS_FILE
-    from resident_trainer.train import ANCHOR_PROMPTS, FactError, TrainConfig, read_facts
+    from resident_trainer.train import ANCHOR_PROMPTS, FactError, TrainConfig, read_facts, steps_for
     from resident_trainer.train.trainer import neuron_share
 
     try:
@@ -147,6 +157,8 @@ def cmd_teach(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.report))
         if not os.path.isdir(folder):
             return bad("teach", f"--report {args.report}: folder {folder} does not exist")
+    if args.steps is None:
+        args.steps = steps_for(max(len(job) for job in _split(facts, args.jobs)))
     try:
         config = TrainConfig(
             steps=args.steps,
@@ -161,10 +173,8 @@ def cmd_teach(args: argparse.Namespace) -> int:
             "teach", str(exc).replace("num_neurons", "--neurons").replace("neurons_per_fact", "--neurons-per-fact")
         )
     if config.init == "keyed":
-        from resident_trainer.eval.teach import split_jobs
-
         used = 0
-        for k, job in enumerate(split_jobs(facts, args.jobs), start=1):
+        for k, job in enumerate(_split(facts, args.jobs), start=1):
             per = neuron_share(len(job), config.num_neurons - used, config.neurons_per_fact)
             if per < 1:
                 return bad(
@@ -288,6 +298,10 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
             return bad("teach", f"{name} is for a job run here; with --server the server's own settings hold")
     if args.negatives < 0:
         return bad("teach", f"--negatives must be >= 0, got {args.negatives}")
+    if args.steps is None:  # the server's own default for the job's facts
+        from resident_trainer.train import steps_for
+
+        args.steps = steps_for(len(facts) if args.facts is not None or args.retract is None else 0)
     body: dict = {"steps": args.steps, "lr": args.lr, "negatives": args.negatives}
     body["neurons_per_fact"] = args.neurons_per_fact
     if args.retract is not None:

@@ -26,7 +26,7 @@ from resident_trainer.train.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from resident_trainer.train.config import TrainConfig
+from resident_trainer.train.config import TrainConfig, steps_for
 from resident_trainer.train.data import (
     ANCHOR_PROMPTS,
     REWORD_TEMPLATES,
@@ -89,4 +89,5 @@ __all__ = [
     "rewordings",
     "save_checkpoint",
     "shard_range",
+    "steps_for",
 ]

@@ -73,6 +73,19 @@ class TrainConfig:
     # 31/32, 42/48 and finally 90/128 (rewordings 32/128); 0.25 32/32, 47/48
     # and 91/128 (rewordings 39/128).
     rehearse_share: float = 0.25
+    # Keyed: a job with more new facts than this trains them in rounds of at
+    # most this many, one after another within its steps (split evenly), as
+    # consecutive jobs would: each round trains only its own facts' neurons
+    # (the others' are held as they are), rehearses the earlier rounds' facts
+    # and starts the optimizer afresh. All at once, each fact's neurons met
+    # its examples once every n_facts / batch_size steps, and AdamW moved them
+    # by a fraction of what a dense stream of gradients does. Capacity tune
+    # set, 128 facts in one job on 1024 neurons: all at once (320 steps)
+    # 11/128; rounds of 24, 60 steps each, 78/128; rounds of 16, 60 steps
+    # each, 105/128. Tune half, one job of 24 in 120 steps: 24/24 in rounds
+    # of 16, 23/24 at once. Without steps given, a job takes 60 a round
+    # (steps_for).
+    round_facts: int = 16
     # Run the examples' shared chat-template head once, block off, and train
     # on the rest (adapters with prefix_kv; the vLLM adapter has none yet,
     # and trains the block on every token).
@@ -83,7 +96,9 @@ class TrainConfig:
             not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0
         ):
             raise ValueError(f"layer must be None (the middle layer) or an int >= 0, got {self.layer!r}")
-        for name in ("num_neurons", "steps", "batch_size", "rewordings", "anchor_batch", "neurons_per_fact"):
+        for name in (
+            "num_neurons", "steps", "batch_size", "rewordings", "anchor_batch", "neurons_per_fact", "round_facts",
+        ):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -103,3 +118,12 @@ class TrainConfig:
             raise ValueError(f"key_scale must be > 0, got {self.key_scale!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
+
+
+def steps_for(n_facts: int, round_facts: int | None = None, per_round: int | None = None) -> int:
+    """Microbatch steps for a job of `n_facts` new facts when none are given:
+    `per_round` (default TrainConfig.steps) for each round of at most
+    `round_facts` (default TrainConfig.round_facts) facts, one round at least."""
+    per_round = TrainConfig.steps if per_round is None else per_round
+    round_facts = TrainConfig.round_facts if round_facts is None else round_facts
+    return per_round * max(1, -(-n_facts // round_facts))

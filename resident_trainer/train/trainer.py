@@ -94,9 +94,15 @@ class Trainer:
         # siblings: frozen, their recalibrated thresholds rose over those
         # questions instead, and 3 of 22 kept facts were hidden (report half).
         frozen = [e["neurons"] for e in entries if e.get("neurons")] if config.freeze_taught and self.facts else []
-        self._frozen_rows = self._local_rows(frozen)
         # Before any slow work: a block without room for the new facts says so.
         self.ranges = self.allocate() if config.init == "keyed" else [None] * len(self.facts)
+        # Rounds (keyed): facts [lo, hi) trained over steps [s0, s1), the
+        # other new facts' neurons held as they are (config.round_facts).
+        self.rounds = self._plan_rounds()
+        self._round_frozen = [
+            self._local_rows(frozen + [r for i, r in enumerate(self.ranges) if not lo <= i < hi])
+            for lo, hi, _, _ in self.rounds
+        ]
         self.loss_fn = loss_fn or StreamedCrossEntropy(adapter)
         self.replay = LayerReplay(adapter, self.layer)
         self.params = [block.w_gate_up, block.w_down]
@@ -107,9 +113,11 @@ class Trainer:
         self.history: list[StepMetrics] = []
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = pad
-        self.examples = [
-            example_ids(tokenizer, q, f.answer) for f in self.facts for q in rewordings(f.question, config.rewordings)
-        ]
+        self.examples = []
+        self._fact_examples: list[int] = [0]  # new fact i's examples: [_fact_examples[i], _fact_examples[i + 1])
+        for f in self.facts:
+            self.examples += [example_ids(tokenizer, q, f.answer) for q in rewordings(f.question, config.rewordings)]
+            self._fact_examples.append(len(self.examples))
         self.n_new = len(self.examples)
         self.examples += [
             example_ids(tokenizer, q, f.answer) for f in self.kept for q in rewordings(f.question, config.rewordings)
@@ -176,6 +184,22 @@ class Trainer:
                 "least one each: use a block with more neurons (num_neurons) or start a new block"
             )
         return [[used + i * per, used + (i + 1) * per] for i in range(n)]
+
+    def _plan_rounds(self) -> list[tuple[int, int, int, int]]:
+        """(first fact, end fact, first step, end step) of each round: the
+        new facts in contiguous rounds of at most config.round_facts (sizes
+        differing by at most one), the job's config.steps split evenly; one
+        round with random rows, whose neurons every fact shares."""
+        n, steps = len(self.facts), self.config.steps
+        k = 1 if self.config.init != "keyed" or n == 0 else min(-(-n // self.config.round_facts), steps)
+        return [(r * n // k, (r + 1) * n // k, r * steps // k, (r + 1) * steps // k) for r in range(k)]
+
+    def round_of(self, index: int) -> int:
+        """The round step `index` belongs to (steps past config.steps: the last)."""
+        for r, (_, _, _, s1) in enumerate(self.rounds):
+            if index < s1:
+                return r
+        return len(self.rounds) - 1
 
     def _local_rows(self, ranges: Sequence[Sequence[int]]) -> Tensor | None:
         """This rank's local indices of the neurons in global `ranges`
@@ -338,11 +362,16 @@ class Trainer:
         and, for a share of the batch (proportional, at most rehearse_share of
         it, and at least one example, while there are new facts), one through
         the rehearsed facts'."""
-        k, new, old = self.config.batch_size, self.n_new, len(self.examples) - self.n_new
+        lo, hi, s0, _ = self.rounds[self.round_of(index)]
+        e0, e1 = self._fact_examples[lo], self._fact_examples[hi]
+        # The round's facts are new; earlier rounds' join the rehearsed ones.
+        old_ids = [*range(e0), *range(self.n_new, len(self.examples))]
+        k, new, old = self.config.batch_size, e1 - e0, len(old_ids)
         cap = max(1, int(k * self.config.rehearse_share))
         k_old = 0 if not old else k if not new else min(cap, max(1, round(k * old / (old + new))))
-        picks = [(index * (k - k_old) + j) % new for j in range(k - k_old)] if new else []
-        return picks + [new + (index * k_old + j) % old for j in range(k_old)]
+        i = index - s0 if len(self.rounds) > 1 else index
+        picks = [e0 + (i * (k - k_old) + j) % new for j in range(k - k_old)] if new else []
+        return picks + [old_ids[(index * k_old + j) % old] for j in range(k_old)]
 
     def microbatch(self, index: int) -> Microbatch:
         """Microbatch `index`: a deterministic rotation through the examples."""
@@ -377,6 +406,11 @@ class Trainer:
         cfg = self.config
         if cfg.gate and cfg.gated_from is not None and index >= cfg.gated_from:
             self.calibrate_gate()
+        r = self.round_of(index)
+        if r > 0 and index == self.rounds[r][2]:
+            # A round starts as a job would: the moments of its neurons, zero
+            # gradients until now, would scale its first updates up.
+            self.optimizer.state.clear()
         self.optimizer.zero_grad(set_to_none=True)
         penalty_value = 0.0
 
@@ -396,7 +430,7 @@ class Trainer:
                 shared=self.shared,
             )
         loss = float(res.loss)
-        rows, saved = self._frozen_rows, None
+        rows, saved = self._round_frozen[r], None
         if rows is not None:
             b = self.block
             gu_rows = torch.cat([rows, rows + b.local_neurons])

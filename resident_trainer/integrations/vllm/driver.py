@@ -37,7 +37,7 @@ from resident_trainer.protocol.config import ProtocolConfig
 from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobSpec, Verdict
 from resident_trainer.protocol.records import RecordLog
-from resident_trainer.train.config import TrainConfig
+from resident_trainer.train.config import TrainConfig, steps_for
 from resident_trainer.train.data import ANCHOR_PROMPTS, chat_prompt_ids
 from resident_trainer.train.facts import FactError, facts_to_json, parse_facts
 from resident_trainer.train.negatives import near_negatives
@@ -278,7 +278,9 @@ class JobRunner:
             raise RuntimeError(f"the server is restarting: {self.lost}")
         facts, settings = parse_job_request(body)
         rec = JobRecord(f"job-{next(self.serial)}-{secrets.token_hex(3)}", facts, settings, time.time())
-        rec.steps = int(settings.get("steps", TrainConfig.steps))
+        if "steps" not in settings:  # TrainConfig.steps for each round of the job's facts
+            settings["steps"] = steps_for(len(facts), settings.get("round_facts"))
+        rec.steps = int(settings["steps"])
         self.jobs[rec.id] = rec
         self.queue.put_nowait(rec)
         self._gauges()

@@ -59,7 +59,8 @@ def run_pair(tmp_path, factories, specs, *, chats: int = 1, authority: str = "a"
     """Run the jobs `specs` (submitted in order) on a head (rank 0) and a
     worker (rank 1) whose bodies come from factories[rank](spec, ctx), with
     `chats` chats waiting; returns once the worker has a receipt per
-    authorised job, every chat is answered and the head is idle."""
+    authorised job and has published every job the head published, every
+    chat is answered and the head is idle."""
     from resident_trainer.integrations.torchdist.drive import drive
 
     kv = TorchKVStore(dist.HashStore())
@@ -110,7 +111,15 @@ def run_pair(tmp_path, factories, specs, *, chats: int = 1, authority: str = "a"
         t.start()
     try:
         for _ in range(polls):  # bounded poll for the worker's receipts and the replies
-            if len(read_jsonl(fs, worker_receipts)) >= authorised and len(waiting.done) >= chats and not head.busy:
+            # The worker writes its receipt when its job ends and publishes
+            # when the head's PUBLISH op reaches it, later: wait for both.
+            unpublished = {p[0] for p in head.published} - {p[0] for p in worker.published}
+            if (
+                len(read_jsonl(fs, worker_receipts)) >= authorised
+                and len(waiting.done) >= chats
+                and not head.busy
+                and not unpublished
+            ):
                 break
             stop.wait(0.01)
         else:

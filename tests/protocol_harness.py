@@ -112,13 +112,15 @@ def run_pair(tmp_path, factories, specs, *, chats: int = 1, authority: str = "a"
     try:
         for _ in range(polls):  # bounded poll for the worker's receipts and the replies
             # The worker writes its receipt when its job ends and publishes
-            # when the head's PUBLISH op reaches it, later: wait for both.
-            unpublished = {p[0] for p in head.published} - {p[0] for p in worker.published}
+            # when the head's PUBLISH op reaches it, later: wait for both
+            # (the head's own record of publishing may come after its idle).
+            receipts = read_jsonl(fs, worker_receipts)
+            to_publish = {r["serial"] for r in receipts if r.get("outcome") == "publish"}
             if (
-                len(read_jsonl(fs, worker_receipts)) >= authorised
+                len(receipts) >= authorised
                 and len(waiting.done) >= chats
                 and not head.busy
-                and not unpublished
+                and to_publish <= {p[0] for p in worker.published}
             ):
                 break
             stop.wait(0.01)

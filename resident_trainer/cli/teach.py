@@ -117,14 +117,9 @@ def _lines(path: str, what: str) -> list[str]:
     return out
 
 
-def _split(facts, jobs: int):
-    from resident_trainer.eval.teach import split_jobs
-
-    return split_jobs(facts, jobs)
-
-
 def cmd_teach(args: argparse.Namespace) -> int:
     from resident_trainer.eval.devset import DEMO_FACTS_FILE
+    from resident_trainer.eval.teach import split_jobs
     from resident_trainer.train import ANCHOR_PROMPTS, FactError, TrainConfig, read_facts, steps_for
     from resident_trainer.train.trainer import neuron_share
 
@@ -158,7 +153,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
         if not os.path.isdir(folder):
             return bad("teach", f"--report {args.report}: folder {folder} does not exist")
     if args.steps is None:
-        args.steps = steps_for(max(len(job) for job in _split(facts, args.jobs)))
+        args.steps = steps_for(max(len(job) for job in split_jobs(facts, args.jobs)))
     try:
         config = TrainConfig(
             steps=args.steps,
@@ -174,7 +169,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
         )
     if config.init == "keyed":
         used = 0
-        for k, job in enumerate(_split(facts, args.jobs), start=1):
+        for k, job in enumerate(split_jobs(facts, args.jobs), start=1):
             per = neuron_share(len(job), config.num_neurons - used, config.neurons_per_fact)
             if per < 1:
                 return bad(

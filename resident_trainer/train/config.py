@@ -38,9 +38,8 @@ class TrainConfig:
     # Per-neuron thresholds never go below this (Trainer.calibrate_gate), in
     # pre-activation units (a keyed neuron starts key_scale above the
     # anchors' mean at its key). Tune half, one job of 24 (key_scale 4, 60
-    # steps): floor 0 left 12/14
-    # generic and 16/18 near controls identical, 1.0 13/14 and 16/18, 1.5
-    # 14/14 and 18/18 (facts 23, 23, 22 of 24).
+    # steps): floor 0 left 12/14 generic and 16/18 near controls identical,
+    # 1.0 13/14 and 16/18, 1.5 14/14 and 18/18 (facts 23, 23, 22 of 24).
     gate_floor: float = 1.5
     # From this step on, recalibrate the gate before every step and train
     # through it, so the block learns to act through the tokens it passes

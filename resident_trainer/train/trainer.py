@@ -369,7 +369,7 @@ class Trainer:
         k, new, old = self.config.batch_size, e1 - e0, len(old_ids)
         cap = max(1, int(k * self.config.rehearse_share))
         k_old = 0 if not old else k if not new else min(cap, max(1, round(k * old / (old + new))))
-        i = index - s0 if len(self.rounds) > 1 else index
+        i = index - s0  # the rotation starts afresh with each round
         picks = [e0 + (i * (k - k_old) + j) % new for j in range(k - k_old)] if new else []
         return picks + [old_ids[(index * k_old + j) % old] for j in range(k_old)]
 

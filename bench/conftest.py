@@ -35,11 +35,13 @@ def machine() -> str:
 
 def gemm() -> str:
     """MKL and oneDNN availability, the RESIDENT_TRAINER_GEMM setting, the
-    backend chosen (with both measured times) for each shape class so far, and
-    the added expert's measured CPU path (kernel or composition) per class."""
+    backend chosen (with both measured times) for each shape class so far, the
+    added expert's measured CPU path (kernel or composition) per class, and the
+    linear cross-entropy's measured vocabulary tiles per class."""
     from resident_trainer.ops import _gemm, added_expert
+    from resident_trainer.ops import linear_cross_entropy as lce
 
-    return _gemm.backend_report() + "\n" + added_expert.path_report()
+    return "\n".join([_gemm.backend_report(), added_expert.path_report(), lce.tile_report()])
 
 
 def pytest_report_header(config):

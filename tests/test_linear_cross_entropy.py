@@ -330,6 +330,85 @@ def test_weight_grad_paths_agree(gen, monkeypatch):
         torch.testing.assert_close(a[key], c[key], rtol=1e-5, atol=1e-6)
 
 
+# --- CPU tiles chosen by measurement ------------------------------------------------
+
+
+@pytest.fixture
+def measured_tiles(monkeypatch):
+    """The shipped tile choice (measured, no fixed tiles), with an empty cache,
+    and a record of every vocabulary tile's width the CPU paths multiply by."""
+    monkeypatch.setattr(lce, "CPU_TILE_V", None)
+    monkeypatch.setattr(lce, "CPU_WGRAD_TILE_V", None)
+    monkeypatch.setattr(lce, "CPU_BLOCK_N", 2048)
+    monkeypatch.setattr(lce, "CPU_CHUNK_BYTES", 64 << 20)
+    for name in lce.TILE_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(lce, "_TILE_CHOICES", {})
+    widths = []
+    real = lce._logit_tile_cpu
+
+    def spy(hb, wt, bias):
+        widths.append(wt.shape[0])
+        return real(hb, wt, bias)
+
+    monkeypatch.setattr(lce, "_logit_tile_cpu", spy)
+    return widths
+
+
+@pytest.mark.parametrize("path", ["frozen", "wgrad"])
+def test_tile_is_measured_once_per_class_and_then_used(path, measured_tiles, gen):
+    # V=2500 leaves every candidate a different tile count, so both paths measure.
+    grads = ("h",) if path == "frozen" else ("h", "w", "b")
+    got, truth = check("cpu", torch.float32, 40, 24, 2500, gen, flags="bias", grads=grads)
+    (key, (tile, best)), *others = [kv for kv in lce._TILE_CHOICES.items() if kv[0][0] == path]
+    assert not others
+    # candidates wider than the probe's slice (all 2500 rows) become that slice
+    assert set(best) == ({512, 1024, 2048} if path == "frozen" else {1024, 2048, 2500})
+    assert tile == min(best, key=best.get) and all(t > 0 for t in best.values())
+    # the call after the probe ran with the chosen tile (the last tiles it multiplied)
+    del measured_tiles[:]
+    before = dict(lce._TILE_CHOICES)
+    check("cpu", torch.float32, 40, 24, 2500, gen, flags="bias", grads=grads)
+    assert before == lce._TILE_CHOICES  # nothing measured again
+    assert max(measured_tiles) == min(tile, 2500)
+    assert f"{path} float32" in lce.tile_report() and f": {tile} rows" in lce.tile_report()
+
+
+def test_tile_choice_takes_the_fastest_probe(measured_tiles, monkeypatch):
+    # A fake clock: each probe "takes" its tile's cost, so the choice is deterministic.
+    cost = {512: 3.0, 1024: 1.0, 2048: 2.0}
+    now = [0.0]
+    monkeypatch.setattr(lce.time, "perf_counter", lambda: now[0])
+
+    def probe(tile):
+        now[0] += cost[tile]
+
+    assert lce._choose_tile("frozen", ("k",), 49152, probe) == 1024
+    assert lce._TILE_CHOICES[("frozen", "k", 4096)] == (1024, {512: 3.0, 1024: 1.0, 2048: 2.0})
+    cost[512] = 0.1  # measured once: a later change of speed is not seen
+    assert lce._choose_tile("frozen", ("k",), 49152, probe) == 1024
+    # one tile covers a small vocabulary whatever the candidate: nothing measured
+    assert lce._choose_tile("frozen", ("small",), 300, probe) == 300
+    assert len(lce._TILE_CHOICES) == 1
+
+
+def test_tile_forced_by_environment(measured_tiles, monkeypatch, gen):
+    monkeypatch.setenv("RESIDENT_TRAINER_LCE_TILE_V", "96")
+    monkeypatch.setenv("RESIDENT_TRAINER_LCE_WGRAD_TILE_V", "112")
+    check("cpu", torch.float32, 30, 16, 1000, gen, grads=("h",))
+    assert max(measured_tiles) == 96 and not lce._TILE_CHOICES
+    del measured_tiles[:]
+    check("cpu", torch.float32, 30, 16, 1000, gen, grads=("h", "w"))
+    assert set(measured_tiles) == {112, 1000 - 8 * 112}
+    assert not lce._TILE_CHOICES
+    assert "RESIDENT_TRAINER_LCE_TILE_V=96" in lce.tile_report()
+    for bad in ("0", "-4", "wide"):
+        monkeypatch.setenv("RESIDENT_TRAINER_LCE_TILE_V", bad)
+        h, w, _, y = make(4, 8, 700, torch.float32, gen)
+        with pytest.raises(ValueError, match=f"RESIDENT_TRAINER_LCE_TILE_V must be a positive .*{bad!r}"):
+            linear_cross_entropy(h.requires_grad_(), w, y)
+
+
 def test_drop_in_for_torch_linear_cross_entropy(gen):
     h, w, b, y = make(40, 12, 77, torch.float64, gen)
     want = F.linear_cross_entropy(h.float(), w.float(), y, linear_bias=b.float(), label_smoothing=0.1)

@@ -27,6 +27,9 @@ their partial dh, so every rank gets the exact global loss, lse and dh.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -143,20 +146,139 @@ class Partials:
     logit_sum: Tensor | None = None
 
 
-# Vocabulary tile and token block of the CPU path: 1024-row vocabulary tiles
-# against up to 2048 tokens keep the fp32 logit tile at 8 MiB, within L3 (32
-# MiB on the Zen 3 and Zen 5 EPYCs measured). On a 2-core Zen 5 the tile
-# products ran at 186 GFLOP/s (T=1024) against 170-181 for T=2048-8192 through
-# MKL, and at 330+ through oneDNN. Side by side on a 2-core Zen 3 (N=2048,
-# D=576, V=8192 fp32, forward + backward, median of 5 interleaved runs, the
-# machine loaded ~3x by other processes, so indicative only), tiles of 512,
-# 1024 and 2048 rows and token blocks of 512, 1024 and 2048 gave 1.6-2.4 s
-# with a frozen head and 2.8-4.1 s with dW, every difference inside one
-# setting's own run-to-run spread (1.0-2.5 s for one of them). The constants
-# fix the product shapes, whose backend _gemm.py measures per CPU, and bound
-# the memory, so they stay.
-CPU_TILE_V = 1024
+# Token block of the CPU path: up to 2048 tokens against one vocabulary tile
+# (1024 rows keep the fp32 logit tile at 8 MiB, within L3). The block bounds
+# the memory; the vocabulary tiles set the products' shapes, and they are
+# chosen per CPU (below).
 CPU_BLOCK_N = 2048
+
+# --- CPU vocabulary tiles, chosen by measurement ------------------------------------
+#
+# Which tile is fastest depends on the CPU. On a 2-core Sapphire Rapids-class
+# Xeon the weight-gradient path (N=2048, D=576, V=49152 fp32) took 1.25x of
+# its matmul floor with 1024-row tiles and 1.04x with 4096-row ones; on a
+# 2-core Zen 5 EPYC every tile from 1024 to 8192 rows was within the run's
+# noise. With a frozen head, 4096-row tiles took 1.02x (Xeon) and 1.12-1.18x
+# (Zen 5) the time of 1024-row ones, so they are not among its candidates.
+#
+# So each path picks its tile on the CPU it runs on, once per process and
+# shape class. A class is the weight's dtype, the thread count, D, the token
+# rows of a block (or chunk) rounded up to a power of two, the vocabulary
+# rounded up and capped at the probe's slice, and the path's options. Before
+# the class's first call, the path itself runs on that call's operands, cut to
+# one token block (or chunk), the first _TILE_PROBE_V vocabulary rows and at
+# most _TILE_PROBE_LOGITS logits, once with each candidate tile as a warm-up,
+# then _TILE_PROBE_RUNS times alternating; the fastest best time wins. That
+# costs about 0.5 s, once, at N=2048, D=576 on two cores. A class whose
+# candidates all cover its vocabulary in one tile measures nothing.
+#
+# RESIDENT_TRAINER_LCE_TILE_V and RESIDENT_TRAINER_LCE_WGRAD_TILE_V force a
+# tile (rows; read on every call). CPU_TILE_V and CPU_WGRAD_TILE_V, set to a
+# number, fix one in-process (the tests' small tiles). `tile_report()` lists
+# what was chosen and measured.
+TILE_ENV = {"frozen": "RESIDENT_TRAINER_LCE_TILE_V", "wgrad": "RESIDENT_TRAINER_LCE_WGRAD_TILE_V"}
+TILE_CANDIDATES = {"frozen": (512, 1024, 2048), "wgrad": (1024, 2048, 4096, 8192)}
+_TILE_PROBE_V = {"frozen": 4096, "wgrad": 8192}
+_TILE_PROBE_RUNS = 2
+_TILE_PROBE_LOGITS = 8 << 20
+CPU_TILE_V: int | None = None
+CPU_WGRAD_TILE_V: int | None = None
+_TILE_CHOICES: dict[tuple, tuple[int, dict[int, float]]] = {}
+_TILE_LOCK = threading.Lock()
+
+
+def _bucket(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def forced_tile(path: str) -> int | None:
+    """The tile (vocabulary rows) `path` ("frozen" or "wgrad") is forced to by its
+    environment variable, or None when that is unset (measured)."""
+    name = TILE_ENV[path]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if rows <= 0:
+        raise ValueError(f"{name} must be a positive number of vocabulary rows (unset: measured), got {raw!r}")
+    return rows
+
+
+def _choose_tile(path: str, key: tuple, v: int, probe) -> int:
+    """The vocabulary tile for `path` on a class `key` of local vocabulary `v`:
+    forced, fixed, or measured once with ``probe(tile)`` (see above)."""
+    forced = forced_tile(path)
+    if forced is not None:
+        return forced
+    fixed = CPU_TILE_V if path == "frozen" else CPU_WGRAD_TILE_V
+    if fixed is not None:
+        return fixed
+    span = min(v, _TILE_PROBE_V[path])
+    candidates = sorted({min(c, span) for c in TILE_CANDIDATES[path]})
+    if len(candidates) == 1 or torch.compiler.is_compiling():
+        return candidates[0]
+    key = (path, *key, min(_bucket(v), _TILE_PROBE_V[path]))
+    hit = _TILE_CHOICES.get(key)
+    if hit is None:
+        with _TILE_LOCK:
+            hit = _TILE_CHOICES.get(key)
+            if hit is None:
+                best = dict.fromkeys(candidates, float("inf"))
+                with torch.no_grad():
+                    for tile in candidates:
+                        probe(tile)  # warm-up: the products' backends are measured here
+                    for _ in range(_TILE_PROBE_RUNS):
+                        for tile in candidates:
+                            t0 = time.perf_counter()
+                            probe(tile)
+                            best[tile] = min(best[tile], time.perf_counter() - t0)
+                hit = _TILE_CHOICES[key] = (min(best, key=best.get), best)
+    return hit[0]
+
+
+def tile_report() -> str:
+    """For benchmark output: the tile settings and each measured class's
+    choice with every candidate's best probe time."""
+    env = ", ".join(f"{n}={os.environ.get(n, '') or '(unset: measured)'}" for n in TILE_ENV.values())
+    lines = [f"linear_cross_entropy CPU tiles: {env}"]
+    for key, (tile, best) in sorted(_TILE_CHOICES.copy().items(), key=str):
+        path, dtype, threads, d, rows, *opts, v = key
+        times = ", ".join(f"{t} {s * 1e3:.1f} ms" for t, s in best.items())
+        lines.append(f"  {path} {str(dtype)[6:]} {threads} threads D={d} rows<={rows} V<={v}: {tile} rows ({times})")
+    if len(lines) == 1:
+        lines.append("  no shape class measured")
+    return "\n".join(lines)
+
+
+def clear_tile_choices() -> None:
+    """Forget every tile measurement (each class measures again on its next call)."""
+    with _TILE_LOCK:
+        _TILE_CHOICES.clear()
+
+
+def _frozen_tile(h, w, bias, yl, softcap, need_softmax_w, need_slope_w, need_logit_sum) -> int:
+    rows = min(h.shape[0], CPU_BLOCK_N)
+    span = min(w.shape[0], _TILE_PROBE_V["frozen"])
+    key = (w.dtype, torch.get_num_threads(), w.shape[1], _bucket(rows), bias is not None, bool(softcap))
+    key += (need_softmax_w, need_slope_w, need_logit_sum)
+
+    def probe(tile):
+        _partials_cpu(
+            h[:rows],
+            w[:span],
+            None if bias is None else bias[:span],
+            yl[:rows],
+            softcap,
+            need_softmax_w,
+            need_slope_w,
+            need_logit_sum,
+            tile_v=tile,
+        )
+
+    return _choose_tile("frozen", key, w.shape[0], probe)
 
 
 def _tile(buf: Tensor, rows: int, cols: int) -> Tensor:
@@ -181,10 +303,13 @@ def _partials_cpu(
     need_softmax_w: bool,
     need_slope_w: bool,
     need_logit_sum: bool,
+    tile_v: int | None = None,
 ) -> Partials:
     _ext.require_extension("linear_cross_entropy (impl='cpu')")
     n, d = h.shape
     v = w.shape[0]
+    if tile_v is None:
+        tile_v = _frozen_tile(h, w, bias, yl, softcap, need_softmax_w, need_slope_w, need_logit_sum)
     f32 = dict(dtype=torch.float32, device=h.device)
     row_max = torch.full((n,), float("-inf"), **f32)
     sum_exp = torch.zeros(n, **f32)
@@ -196,7 +321,7 @@ def _partials_cpu(
     # One softcap slope tile reused for every tile: the peak stays at a few
     # tiles' worth however large V is.
     slope_buf = (
-        torch.empty(min(n, CPU_BLOCK_N) * min(v, CPU_TILE_V), **f32)
+        torch.empty(min(n, CPU_BLOCK_N) * min(v, tile_v), **f32)
         if softcap and (need_softmax_w or need_slope_w)
         else None
     )
@@ -204,8 +329,8 @@ def _partials_cpu(
     for n0 in range(0, n, CPU_BLOCK_N):
         n1 = min(n, n0 + CPU_BLOCK_N)
         hb = h[n0:n1].float()
-        for v0 in range(0, v, CPU_TILE_V):
-            v1 = min(v, v0 + CPU_TILE_V)
+        for v0 in range(0, v, tile_v):
+            v1 = min(v, v0 + tile_v)
             wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
             z = _logit_tile_cpu(hb, wt, None if bias is None else bias[v0:v1].float())
             slope = _tile(slope_buf, n1 - n0, v1 - v0) if slope_buf is not None else None
@@ -259,8 +384,10 @@ def _weight_grad_cpu(
     f32 = dict(dtype=torch.float32, device=h.device)
     dw = torch.empty_like(w)
     db = torch.zeros(v, **f32) if need_bias else None
-    for v0 in range(0, v, CPU_TILE_V):
-        v1 = min(v, v0 + CPU_TILE_V)
+    # the same products as the forward pass's with dh: its measured tile
+    tile_v = _frozen_tile(h, w, bias, y_local, softcap, True, False, False)
+    for v0 in range(0, v, tile_v):
+        v1 = min(v, v0 + tile_v)
         wt = w[v0:v1] if w.dtype == torch.float32 else w[v0:v1].float()
         dwt = dw[v0:v1] if w.dtype == torch.float32 else torch.empty(v1 - v0, d, **f32)
         dwt.zero_()
@@ -292,22 +419,41 @@ def _weight_grad_cpu(
 # Token rows per gather of target rows of W (bounds those (rows, D) temporaries).
 _GATHER_ROWS = 256
 
-# Logit budget and vocabulary tile of the weight-gradient path. Each chunk
-# of tokens reads all of W twice and reads and writes all of dW once, so
-# fewer, larger chunks move less memory; wider tiles mean fewer, larger
-# products. Side by side on a 2-core Sapphire Rapids-class Xeon (N=2048,
+# Logit budget of the weight-gradient path (its vocabulary tile is measured:
+# see _choose_tile). Each chunk of tokens reads all of W twice and reads and
+# writes all of dW once, so fewer, larger chunks move less memory; wider
+# tiles mean fewer, larger products. Side by side on a 2-core Sapphire Rapids-class Xeon (N=2048,
 # D=576, V=49152 fp32, dW, medians of 3, against 3 x h @ W.T): 32 MiB and
 # 1024-row tiles 1.25x of that floor, 32 MiB and 4096 1.14x, 64 MiB and 4096
 # 1.04x, 128 MiB and 4096 1.03x. On a loaded Zen 3: 8 MiB 5.2 s, 32 MiB 3.2 s,
 # 128 MiB 2.6 s. 64 MiB (341-row chunks here) is 6% of what eager torch
-# allocates at this shape. The frozen-head path keeps CPU_TILE_V: on the same
-# Xeon 1024-row tiles took 0.88x of its floor, 4096-row ones 1.02x.
+# allocates at this shape. On a 2-core Zen 5, with 4096-row tiles: 32 MiB
+# 1.24 s, 64 MiB 1.19 s, 128 MiB 1.21 s (medians of 3).
 CPU_CHUNK_BYTES = 64 << 20
-CPU_WGRAD_TILE_V = 4096
+
+
+def _chunk_rows(n: int, v_largest: int, softcap: float) -> int:
+    # Every rank must cut the same chunks (their statistics are all-reduced
+    # chunk by chunk), so the size follows the largest shard, not this one.
+    return max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v_largest, 1) * (2 if softcap else 1))))
 
 
 def _forward_weight_grad_cpu(
-    h, w, bias, valid, yl, sz_all, vocab, v_largest, label_smoothing, softcap, z_loss, group, need_dh, need_bias
+    h,
+    w,
+    bias,
+    valid,
+    yl,
+    sz_all,
+    vocab,
+    v_largest,
+    label_smoothing,
+    softcap,
+    z_loss,
+    group,
+    need_dh,
+    need_bias,
+    tile_v=None,
 ):
     """Loss, lse, dh and the unit-weight dW/dbias in one pass over token chunks,
     each chunk's full logit rows kept (as vocabulary tiles) within a bounded
@@ -321,15 +467,39 @@ def _forward_weight_grad_cpu(
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
-    # Every rank must cut the same chunks (their statistics are all-reduced
-    # chunk by chunk), so the size follows the largest shard, not this one.
-    chunk = max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v_largest, 1) * (2 if softcap else 1))))
+    chunk = _chunk_rows(n, v_largest, softcap)
+    if tile_v is None:
+        # Each rank may pick its own tile: the collectives are per chunk, not per tile.
+        span = min(v, _TILE_PROBE_V["wgrad"])
+        key = (w.dtype, torch.get_num_threads(), d, _bucket(chunk), bias is not None, bool(softcap), need_dh)
+
+        def probe(tile):  # one chunk, cut to at most _TILE_PROBE_LOGITS logits
+            c = slice(0, min(chunk, max(256, _TILE_PROBE_LOGITS // span)))
+            _forward_weight_grad_cpu(
+                h[c],
+                w[:span],
+                None if bias is None else bias[:span],
+                valid[c],
+                yl[c],
+                sz_all[c],
+                vocab,
+                v_largest,
+                label_smoothing,
+                softcap,
+                z_loss,
+                None,
+                need_dh,
+                need_bias,
+                tile_v=tile,
+            )
+
+        tile_v = _choose_tile("wgrad", key, v, probe)
     dw = torch.zeros(v, d, **f32)
     db = torch.zeros(v, **f32) if need_bias else torch.empty(0, **f32)
     dh = torch.zeros(n, d, **f32) if need_dh else torch.empty(0, **f32)
     loss = torch.empty(n, **f32)
     lse = torch.empty(n, **f32)
-    bounds = [(v0, min(v, v0 + CPU_WGRAD_TILE_V)) for v0 in range(0, v, CPU_WGRAD_TILE_V)]
+    bounds = [(v0, min(v, v0 + tile_v)) for v0 in range(0, v, tile_v)]
     for n0 in range(0, n, chunk):
         n1 = min(n, n0 + chunk)
         c = n1 - n0

@@ -374,22 +374,35 @@ def test_tile_is_measured_once_per_class_and_then_used(path, measured_tiles, gen
     assert f"{path} float32" in lce.tile_report() and f": {tile} rows" in lce.tile_report()
 
 
-def test_tile_choice_takes_the_fastest_probe(measured_tiles, monkeypatch):
+def test_tile_choice_takes_the_fastest_probe_by_a_margin(measured_tiles, monkeypatch):
     # A fake clock: each probe "takes" its tile's cost, so the choice is deterministic.
     cost = {512: 3.0, 1024: 1.0, 2048: 2.0}
     now = [0.0]
     monkeypatch.setattr(lce.time, "perf_counter", lambda: now[0])
+    parts = []
 
-    def probe(tile):
+    def probe(tile, part):
+        parts.append(part)
         now[0] += cost[tile]
 
     assert lce._choose_tile("frozen", ("k",), 49152, probe) == 1024
     assert lce._TILE_CHOICES[("frozen", "k", 4096)] == (1024, {512: 3.0, 1024: 1.0, 2048: 2.0})
+    assert parts == list(range(3 * (1 + lce._TILE_PROBE_RUNS)))  # every run its own slice
+    assert [lce._probe_slice(49152, 4096, p) for p in (0, 1, 11, 12)] == [0, 4096, 45056, 0]
+    assert lce._probe_slice(3000, 4096, 5) == 0
     cost[512] = 0.1  # measured once: a later change of speed is not seen
     assert lce._choose_tile("frozen", ("k",), 49152, probe) == 1024
+    # another tile is taken only when it beats the default by TILE_MARGIN
+    cost.update({512: 0.96, 2048: 0.97})
+    assert lce._choose_tile("frozen", ("close",), 49152, probe) == 1024
+    cost[2048] = 0.9
+    assert lce._choose_tile("frozen", ("far",), 49152, probe) == 2048
+    # the default wider than a small vocabulary is that vocabulary, in one tile
+    cost = {1024: 1.0, 2048: 1.0, 3000: 1.0}
+    assert lce._choose_tile("wgrad", ("v3000",), 3000, probe) == 3000
     # one tile covers a small vocabulary whatever the candidate: nothing measured
     assert lce._choose_tile("frozen", ("small",), 300, probe) == 300
-    assert len(lce._TILE_CHOICES) == 1
+    assert len(lce._TILE_CHOICES) == 4
 
 
 def test_tile_forced_by_environment(measured_tiles, monkeypatch, gen):

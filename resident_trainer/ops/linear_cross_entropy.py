@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from resident_trainer import _ext
-from resident_trainer.ops._gemm import linear, linear_acc
+from resident_trainer.ops._gemm import _bucket, linear, linear_acc
 
 IMPLS = ("auto", "cpu", "triton", "reference")
 REDUCTIONS = ("mean", "sum", "none")
@@ -195,10 +195,6 @@ CPU_TILE_V: int | None = None
 CPU_WGRAD_TILE_V: int | None = None
 _TILE_CHOICES: dict[tuple, tuple[int, dict[int, float]]] = {}  # class: (tile, median seconds)
 _TILE_LOCK = threading.Lock()
-
-
-def _bucket(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
 
 
 def forced_tile(path: str) -> int | None:

@@ -159,8 +159,9 @@ CPU_BLOCK_N = 2048
 # Xeon the weight-gradient path (N=2048, D=576, V=49152 fp32) took 1.25x of
 # its matmul floor with 1024-row tiles and 1.04x with 4096-row ones; on a
 # 2-core Zen 5 EPYC every tile from 1024 to 8192 rows was within the run's
-# noise. With a frozen head, 4096-row tiles took 1.02x (Xeon) and 1.12-1.18x
-# (Zen 5) the time of 1024-row ones, so they are not among its candidates.
+# noise. With a frozen head, 4096-row tiles took 1.16x (Xeon: 1.02x of the
+# floor against 0.88x) and 1.12-1.18x (Zen 5) the time of 1024-row ones, so
+# they are not among its candidates.
 #
 # So each path picks its tile on the CPU it runs on, once per process and
 # shape class. A class is the weight's dtype, the thread count, D, the token

@@ -266,19 +266,13 @@ def tile_report() -> str:
     choice with every candidate's median probe time."""
     env = ", ".join(f"{n}={os.environ.get(n, '') or '(unset: measured)'}" for n in TILE_ENV.values())
     lines = [f"linear_cross_entropy CPU tiles: {env}"]
-    for key, (tile, best) in sorted(_TILE_CHOICES.copy().items(), key=str):
-        path, dtype, threads, d, rows, *opts, v = key
-        times = ", ".join(f"{t} {s * 1e3:.1f} ms" for t, s in best.items())
+    for key, (tile, medians) in sorted(_TILE_CHOICES.copy().items(), key=str):
+        path, dtype, threads, d, rows, *_, v = key
+        times = ", ".join(f"{t} {s * 1e3:.1f} ms" for t, s in medians.items())
         lines.append(f"  {path} {str(dtype)[6:]} {threads} threads D={d} rows<={rows} V<={v}: {tile} rows ({times})")
     if len(lines) == 1:
         lines.append("  no shape class measured")
     return "\n".join(lines)
-
-
-def clear_tile_choices() -> None:
-    """Forget every tile measurement (each class measures again on its next call)."""
-    with _TILE_LOCK:
-        _TILE_CHOICES.clear()
 
 
 def _frozen_tile(h, w, bias, yl, softcap, need_softmax_w, need_slope_w, need_logit_sum) -> int:
@@ -445,20 +439,14 @@ _GATHER_ROWS = 256
 # Logit budget of the weight-gradient path (its vocabulary tile is measured:
 # see _choose_tile). Each chunk of tokens reads all of W twice and reads and
 # writes all of dW once, so fewer, larger chunks move less memory; wider
-# tiles mean fewer, larger products. Side by side on a 2-core Sapphire Rapids-class Xeon (N=2048,
-# D=576, V=49152 fp32, dW, medians of 3, against 3 x h @ W.T): 32 MiB and
-# 1024-row tiles 1.25x of that floor, 32 MiB and 4096 1.14x, 64 MiB and 4096
-# 1.04x, 128 MiB and 4096 1.03x. On a loaded Zen 3: 8 MiB 5.2 s, 32 MiB 3.2 s,
-# 128 MiB 2.6 s. 64 MiB (341-row chunks here) is 6% of what eager torch
+# tiles mean fewer, larger products. Side by side on a 2-core Sapphire
+# Rapids-class Xeon (N=2048, D=576, V=49152 fp32, dW, medians of 3, against
+# 3 x h @ W.T): 32 MiB and 1024-row tiles 1.25x of that floor, 32 MiB and
+# 4096 1.14x, 64 MiB and 4096 1.04x, 128 MiB and 4096 1.03x. On a loaded
+# Zen 3: 8 MiB 5.2 s, 32 MiB 3.2 s, 128 MiB 2.6 s. 64 MiB (341-row chunks here) is 6% of what eager torch
 # allocates at this shape. On a 2-core Zen 5, with 4096-row tiles: 32 MiB
 # 1.24 s, 64 MiB 1.19 s, 128 MiB 1.21 s (medians of 3).
 CPU_CHUNK_BYTES = 64 << 20
-
-
-def _chunk_rows(n: int, v_largest: int, softcap: float) -> int:
-    # Every rank must cut the same chunks (their statistics are all-reduced
-    # chunk by chunk), so the size follows the largest shard, not this one.
-    return max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v_largest, 1) * (2 if softcap else 1))))
 
 
 def _forward_weight_grad_cpu(
@@ -490,7 +478,9 @@ def _forward_weight_grad_cpu(
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
-    chunk = _chunk_rows(n, v_largest, softcap)
+    # Every rank must cut the same chunks (their statistics are all-reduced
+    # chunk by chunk), so the size follows the largest shard, not this one.
+    chunk = max(16, min(n, CPU_CHUNK_BYTES // (4 * max(v_largest, 1) * (2 if softcap else 1))))
     if tile_v is None:
         # Each rank may pick its own tile: the collectives are per chunk, not per tile.
         span = min(v, _TILE_PROBE_V["wgrad"])

@@ -320,6 +320,68 @@ def test_a_later_job_leaves_earlier_facts_neurons_as_they_were(freeze):
     assert len(tr2.history) == 8 and all(math.isfinite(m.grad_norm) for m in tr2.history)
 
 
+def test_others_penalty_keeps_a_rounds_neurons_off_other_facts_tokens():
+    # others_weight x the mean squared output, over the tokens of facts
+    # outside the step's round, of the neurons the step trains: a round's
+    # own, never an earlier job's (frozen), never a fact's own on its tokens.
+    from resident_trainer.ops.added_expert import added_expert_reference
+
+    tok = ByteTokenizer()
+
+    def grads(tr, index):
+        block.w_gate_up.grad = block.w_down.grad = None
+        p = tr.others_penalty(index)
+        p.backward()
+        return p.detach(), block.w_down.grad.abs().sum(0)
+
+    # Two rounds of one fact: each round's neurons on the other fact's tokens.
+    a, block, config = _setup(others_weight=0.5, others_batch=1, round_facts=1)
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    assert len(tr.fact_inputs) == 2 and tr.rounds == [(0, 1, 0, 3), (1, 2, 3, 6)]
+    with torch.no_grad():  # keyed neurons start with a zero down projection
+        block.w_down.normal_(0, 0.1)
+    for index, mine, other in ((0, 0, 1), (3, 1, 0)):
+        p, g = grads(tr, index)
+        keep = torch.zeros(block.local_neurons)
+        keep[4 * mine : 4 * mine + 4] = 1
+        x = tr.fact_inputs[other]
+        out = added_expert_reference(x.double(), block.w_gate_up.double(), None, (block.w_down * keep).double())
+        want = 0.5 * out.square().sum(-1).mean()
+        assert abs(p.item() - want.item()) <= 1e-5 * want.item()
+        assert (g[4 * mine : 4 * mine + 4] > 0).all() and int((g > 0).sum()) == 4
+    tr.discard()
+    # A second job: the earlier facts' tokens, the new fact's neurons only.
+    a, block, config = _setup(others_weight=0.5, others_batch=1)
+    Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()
+    new = [Fact("Color of vex?", "Teal.")]
+    tr2 = Trainer(a, block, tok, new, config, anchors=ANCHORS)
+    assert len(tr2.fact_inputs) == 3
+    with torch.no_grad():
+        block.w_down[:, 8:12].normal_(0, 0.1)
+    for index in (0, 1):
+        _, g = grads(tr2, index)
+        assert (g[8:12] > 0).all() and int((g > 0).sum()) == 4
+    tr2.discard()
+    # With freeze_taught off the earlier facts' neurons train too, each off
+    # the other facts' tokens but never off its own.
+    tr3 = Trainer(a, block, tok, new, dataclasses.replace(config, freeze_taught=False), anchors=ANCHORS)
+    with torch.no_grad():
+        block.w_down[:, 8:12].normal_(0, 0.1)
+    _, g = grads(tr3, 1)  # others_batch 1: step 1 reads the second earlier fact (neurons 4-8)
+    assert (g[4:8] == 0).all() and (g[:4] > 0).all() and (g[8:12] > 0).all()
+    tr3.discard()
+    # Nothing to penalise in one round on a fresh block, nor at weight 0.
+    a, block, config = _setup()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    assert config.others_weight > 0 and tr.fact_inputs == [] and tr.others_penalty(0) is None
+    tr.run()
+    tr = Trainer(a, block, tok, new, dataclasses.replace(config, others_weight=0.0), anchors=ANCHORS)
+    assert tr.fact_inputs == [] and tr.others_penalty(0) is None
+    for kw, msg in [({"others_weight": -1}, "others_weight must be >= 0"), ({"others_batch": 0}, "others_batch")]:
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig(**kw)
+
+
 def test_rehearsal_share_of_the_microbatch():
     a, block, config = _setup(rehearse_share=0.25, batch_size=8)
     tok = ByteTokenizer()

@@ -77,6 +77,22 @@ class TrainConfig:
     # 31/32, 42/48 and finally 90/128 (rewordings 32/128); 0.25 32/32, 47/48
     # and 91/128 (rewordings 39/128).
     rehearse_share: float = 0.25
+    # Penalty on the output of the neurons a step trains over the tokens of
+    # every other fact the block holds or the job teaches (earlier jobs',
+    # earlier and later rounds', and the round's other facts' exchanges; a
+    # fact's own neurons are left out of its own tokens): others_weight x the
+    # mean squared norm, over others_batch facts a step. The inputs are
+    # computed once (the layers before the block are frozen), so the penalty
+    # costs a few block products a step. Capacity tune set, 8 jobs of 16
+    # (Zen 5): 0 held 104/128 at the end (rewordings 47/128), 0.03 115/128
+    # (57/128): the later jobs' neurons no longer take the earlier facts
+    # (job 1's 16 facts: 12 and 16 at the end). 1.0 on every other fact,
+    # the round's own included, recalled 6 of the first 16. Tune half, 0 /
+    # 0.03: one job of 24 24/24 and 24/24, rewordings 14/24 and 13/24; four
+    # jobs of 6 24/24 and 24/24, rewordings 17/24 and 11/24, near 17/18 and
+    # 18/18, leaks 0 and 1 (docs/RESULTS.md).
+    others_weight: float = 0.03
+    others_batch: int = 16
     # Keyed: a job with more new facts than this trains them in rounds of at
     # most this many, one after another within its steps (split evenly), as
     # consecutive jobs would: each round trains only its own facts' neurons
@@ -102,6 +118,7 @@ class TrainConfig:
             raise ValueError(f"layer must be None (the middle layer) or an int >= 0, got {self.layer!r}")
         for name in (
             "num_neurons", "steps", "batch_size", "rewordings", "anchor_batch", "neurons_per_fact", "round_facts",
+            "others_batch",
         ):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -113,7 +130,7 @@ class TrainConfig:
             raise ValueError(f"rehearse_share must be in (0, 1], got {self.rehearse_share!r}")
         if not isinstance(self.gate_floor, (int, float)) or not math.isfinite(self.gate_floor):
             raise ValueError(f"gate_floor must be a finite number, got {self.gate_floor!r}")
-        for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin"):
+        for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin", "others_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.init not in ("random", "keyed"):

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from resident_trainer.models.adapter import DecoderAdapter
+from resident_trainer.ops.added_expert import added_expert
 from resident_trainer.ops.fingerprint import FingerprintTable
 from resident_trainer.train.block import AddedSharedNeurons
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
@@ -148,6 +149,15 @@ class Trainer:
             with block.disabled():
                 self.shared = adapter.prefix_kv(self.examples[0][0][:n])
             self.examples = [(ids[n:], tgt[n:]) for ids, tgt in self.examples]
+        # The others penalty's tokens: every fact's exchange past the chat
+        # template's head, the new facts first, then the earlier jobs', with
+        # the neurons each holds. None while there is one round and no
+        # earlier fact: every fact trains in the one round.
+        self.fact_inputs: list[Tensor] = []
+        self._fact_ranges = [*self.ranges, *(e.get("neurons") for e in entries)]
+        if config.others_weight and config.init == "keyed" and self.facts and (entries or len(self.rounds) > 1):
+            exchanges = [(f.question, f.answer) for f in [*self.facts, *(_fact_of(e) for e in entries)]]
+            self.fact_inputs = [x[head:] for x in self.block_inputs(exchanges)]
         # The hidden state entering layer L of each example, computed once:
         # the layers before L are frozen and hold no trainable block, so it is
         # the same at every step (about a quarter of a step's work).
@@ -355,6 +365,37 @@ class Trainer:
             total = total + cfg.anchor_gate_weight * torch.relu(top).square().mean()
         return total
 
+    def others_penalty(self, index: int) -> Tensor | None:
+        """others_weight x the mean squared norm of the output of the neurons
+        step `index` trains over the tokens of others_batch facts outside its
+        round (a rotation through the earlier jobs' facts and the job's other
+        rounds'): it keeps a round's neurons quiet where other facts are
+        asked and answered. A fact's own neurons are left out on its own
+        tokens (they train there only with freeze_taught off)."""
+        cfg, b = self.config, self.block
+        r = self.round_of(index)
+        lo, hi = self.rounds[r][:2]
+        others = [i for i in range(len(self.fact_inputs)) if not lo <= i < hi]
+        if not cfg.others_weight or not others:
+            return None
+        trainable = torch.ones(b.local_neurons, dtype=b.w_down.dtype, device=b.w_down.device)
+        if self._round_frozen[r] is not None:
+            trainable[self._round_frozen[r]] = 0
+        k = min(cfg.others_batch, len(others))
+        total = torch.zeros((), dtype=torch.float32, device=b.w_down.device)
+        tokens = 0
+        for i in (others[(index * k + j) % len(others)] for j in range(k)):
+            keep = trainable
+            own = self._local_rows([self._fact_ranges[i]]) if self._fact_ranges[i] else None
+            if own is not None:
+                keep = trainable.clone()
+                keep[own] = 0
+            x = self.fact_inputs[i]
+            out = added_expert(x, b.w_gate_up, None, b.w_down * keep, process_group=b.process_group, impl=b.impl)
+            total = total + out.float().square().sum()
+            tokens += x.shape[0]
+        return cfg.others_weight * total / tokens
+
     # --- one microbatch ------------------------------------------------------
 
     def _picks(self, index: int) -> list[int]:
@@ -416,7 +457,8 @@ class Trainer:
 
         def extra():
             nonlocal penalty_value
-            p = self.anchor_penalty(index)
+            parts = [p for p in (self.anchor_penalty(index), self.others_penalty(index)) if p is not None]
+            p = sum(parts[1:], parts[0]) if parts else None
             penalty_value = float(p.detach()) if p is not None else 0.0
             return p if p is not None else torch.zeros((), device=self.adapter.device)
 
@@ -425,7 +467,9 @@ class Trainer:
                 mb.input_ids,
                 lambda h: self.loss_fn(h, mb.targets),
                 attention_mask=mb.attention_mask,
-                extra_loss=extra if self.anchor_inputs and (cfg.anchor_weight or cfg.anchor_gate_weight) else None,
+                extra_loss=extra
+                if (self.anchor_inputs and (cfg.anchor_weight or cfg.anchor_gate_weight)) or self.fact_inputs
+                else None,
                 hidden_in=self.prefix_hidden(index, mb.input_ids.shape[1]),
                 shared=self.shared,
             )

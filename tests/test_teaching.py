@@ -320,10 +320,11 @@ def test_a_later_job_leaves_earlier_facts_neurons_as_they_were(freeze):
     assert len(tr2.history) == 8 and all(math.isfinite(m.grad_norm) for m in tr2.history)
 
 
-def test_others_penalty_keeps_a_rounds_neurons_off_other_facts_tokens():
+def test_others_penalty_keeps_a_rounds_neurons_off_earlier_facts_tokens():
     # others_weight x the mean squared output, over the tokens of facts
-    # outside the step's round, of the neurons the step trains: a round's
-    # own, never an earlier job's (frozen), never a fact's own on its tokens.
+    # taught before the step's round, of the neurons the step trains: the
+    # round's own, never an earlier job's (frozen), never a fact's own on its
+    # tokens.
     from resident_trainer.ops.added_expert import added_expert_reference
 
     tok = ByteTokenizer()
@@ -334,13 +335,15 @@ def test_others_penalty_keeps_a_rounds_neurons_off_other_facts_tokens():
         p.backward()
         return p.detach(), block.w_down.grad.abs().sum(0)
 
-    # Two rounds of one fact: each round's neurons on the other fact's tokens.
+    # Two rounds of one fact: the second round's neurons on the first fact's
+    # tokens; the first round, like a first job, has nothing before it.
     a, block, config = _setup(others_weight=0.5, others_batch=1, round_facts=1)
     tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
     assert len(tr.fact_inputs) == 2 and tr.rounds == [(0, 1, 0, 3), (1, 2, 3, 6)]
     with torch.no_grad():  # keyed neurons start with a zero down projection
         block.w_down.normal_(0, 0.1)
-    for index, mine, other in ((0, 0, 1), (3, 1, 0)):
+    assert tr.others_penalty(0) is None and tr.others_penalty(2) is None
+    for index, mine, other in ((3, 1, 0), (5, 1, 0)):
         p, g = grads(tr, index)
         keep = torch.zeros(block.local_neurons)
         keep[4 * mine : 4 * mine + 4] = 1
@@ -370,11 +373,13 @@ def test_others_penalty_keeps_a_rounds_neurons_off_other_facts_tokens():
     _, g = grads(tr3, 1)  # others_batch 1: step 1 reads the second earlier fact (neurons 4-8)
     assert (g[4:8] == 0).all() and (g[:4] > 0).all() and (g[8:12] > 0).all()
     tr3.discard()
-    # Nothing to penalise in one round on a fresh block, nor at weight 0.
-    a, block, config = _setup()
+    # Nothing to penalise in one round on a fresh block, nor at weight 0 (the
+    # default).
+    a, block, config = _setup(others_weight=0.5)
     tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
-    assert config.others_weight > 0 and tr.fact_inputs == [] and tr.others_penalty(0) is None
+    assert tr.fact_inputs == [] and tr.others_penalty(0) is None
     tr.run()
+    assert TrainConfig().others_weight == 0
     tr = Trainer(a, block, tok, new, dataclasses.replace(config, others_weight=0.0), anchors=ANCHORS)
     assert tr.fact_inputs == [] and tr.others_penalty(0) is None
     for kw, msg in [({"others_weight": -1}, "others_weight must be >= 0"), ({"others_batch": 0}, "others_batch")]:

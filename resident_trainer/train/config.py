@@ -78,20 +78,18 @@ class TrainConfig:
     # and 91/128 (rewordings 39/128).
     rehearse_share: float = 0.25
     # Penalty on the output of the neurons a step trains over the tokens of
-    # every other fact the block holds or the job teaches (earlier jobs',
-    # earlier and later rounds', and the round's other facts' exchanges; a
-    # fact's own neurons are left out of its own tokens): others_weight x the
-    # mean squared norm, over others_batch facts a step. The inputs are
-    # computed once (the layers before the block are frozen), so the penalty
-    # costs a few block products a step. Capacity tune set, 8 jobs of 16
-    # (Zen 5): 0 held 104/128 at the end (rewordings 47/128), 0.03 115/128
-    # (57/128): the later jobs' neurons no longer take the earlier facts
-    # (job 1's 16 facts: 12 and 16 at the end). 1.0 on every other fact,
-    # the round's own included, recalled 6 of the first 16. Tune half, 0 /
-    # 0.03: one job of 24 24/24 and 24/24, rewordings 14/24 and 13/24; four
-    # jobs of 6 24/24 and 24/24, rewordings 17/24 and 11/24, near 17/18 and
-    # 18/18, leaks 0 and 1 (docs/RESULTS.md).
-    others_weight: float = 0.03
+    # the facts taught before its round (earlier jobs', earlier rounds'
+    # exchanges; a fact's own neurons are left out of its own tokens):
+    # others_weight x the mean squared norm, over others_batch facts a step
+    # (Trainer.others_penalty). The inputs are computed once (the layers
+    # before the block are frozen), so it costs a few block products a step.
+    # Off by default: it did not carry over from the tune sets
+    # (docs/RESULTS.md). Capacity tune set, 8 jobs of 16 (Zen 5): 0 held
+    # 104/128 at the end, 0.03 115/128 (job 1's facts 12 and 16 of 16). But
+    # on the capacity set, 8 jobs of 16, 0.03 held about what 0 held on the
+    # Xeon (after 6 jobs 65/96 against 60/96), and with the later rounds'
+    # facts penalised too, 128 in one job recalled 59/128 against 107/128.
+    others_weight: float = 0.0
     others_batch: int = 16
     # Keyed: a job with more new facts than this trains them in rounds of at
     # most this many, one after another within its steps (split evenly), as

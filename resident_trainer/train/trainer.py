@@ -152,7 +152,7 @@ class Trainer:
         # The others penalty's tokens: every fact's exchange past the chat
         # template's head, the new facts first, then the earlier jobs', with
         # the neurons each holds. None while there is one round and no
-        # earlier fact: every fact trains in the one round.
+        # earlier fact: nothing was taught before it.
         self.fact_inputs: list[Tensor] = []
         self._fact_ranges = [*self.ranges, *(e.get("neurons") for e in entries)]
         if config.others_weight and config.init == "keyed" and self.facts and (entries or len(self.rounds) > 1):
@@ -367,15 +367,17 @@ class Trainer:
 
     def others_penalty(self, index: int) -> Tensor | None:
         """others_weight x the mean squared norm of the output of the neurons
-        step `index` trains over the tokens of others_batch facts outside its
-        round (a rotation through the earlier jobs' facts and the job's other
-        rounds'): it keeps a round's neurons quiet where other facts are
-        asked and answered. A fact's own neurons are left out on its own
-        tokens (they train there only with freeze_taught off)."""
+        step `index` trains over the tokens of others_batch facts taught
+        before its round (a rotation through the earlier jobs' facts and the
+        job's earlier rounds'): it keeps a round's neurons quiet where earlier
+        facts are asked and answered. A fact's own neurons are left out on
+        its own tokens (they train there only with freeze_taught off)."""
         cfg, b = self.config, self.block
         r = self.round_of(index)
-        lo, hi = self.rounds[r][:2]
-        others = [i for i in range(len(self.fact_inputs)) if not lo <= i < hi]
+        lo = self.rounds[r][0]
+        # Taught before the round: as in consecutive jobs, a round does not
+        # see the later rounds' facts.
+        others = [i for i in range(len(self.fact_inputs)) if i < lo or i >= len(self.facts)]
         if not cfg.others_weight or not others:
             return None
         trainable = torch.ones(b.local_neurons, dtype=b.w_down.dtype, device=b.w_down.device)

@@ -83,12 +83,12 @@ class TrainConfig:
     # others_weight x the mean squared norm, over others_batch facts a step
     # (Trainer.others_penalty). The inputs are computed once (the layers
     # before the block are frozen), so it costs a few block products a step.
-    # Off by default: it did not carry over from the tune sets
-    # (docs/RESULTS.md). Capacity tune set, 8 jobs of 16 (Zen 5): 0 held
-    # 104/128 at the end, 0.03 115/128 (job 1's facts 12 and 16 of 16). But
-    # on the capacity set, 8 jobs of 16, 0.03 held about what 0 held on the
-    # Xeon (after 6 jobs 65/96 against 60/96), and with the later rounds'
-    # facts penalised too, 128 in one job recalled 59/128 against 107/128.
+    # Capacity tune set (Zen 5), 0.03: 8 jobs of 16 115/128 against 104/128
+    # off (job 1's facts 16 and 12 of 16 at the end); one job of 128 119/128
+    # against 103/128. Off by default (docs/RESULTS.md): on the tune half it
+    # cost rewordings in 4 jobs of 6 (11/24 against 17/24), and when it also
+    # read the later rounds' facts, the capacity set in one job recalled
+    # 59/128 against 107/128.
     others_weight: float = 0.0
     others_batch: int = 16
     # Keyed: a job with more new facts than this trains them in rounds of at

@@ -463,6 +463,47 @@ def test_per_neuron_gate_thresholds():
     assert all(block.gate_mask(x, block.published_gate_up, thr).any() for x in fact_x)
 
 
+def test_gate_opens_on_the_taught_facts_key_tokens():
+    # A wide gate margin shuts some of the facts' key tokens; key_gate_margin
+    # lowers the fact's own neuron there, never below its bound above the
+    # anchors, so the gate stays shut on every anchor token.
+    tok = ByteTokenizer()
+    facts = [Fact("Capital of Zorb?", "It is Quen.", key="Quen"), Fact("Who made glim?", "Elsa.")]
+    thresholds = {}
+    for kgm in (None, 0.1):
+        a, block, config = _setup(steps=20, gate_margin=4.0, gate_floor=0.25, key_gate_margin=kgm)
+        tr = Trainer(a, block, tok, facts, config, anchors=ANCHORS)
+        tr.run()
+        thresholds[kgm] = block.published_threshold
+    wg = block.published_gate_up[: block.local_neurons]
+    top = torch.stack([(x @ wg.T).amax(0) for x in tr.anchor_inputs]).amax(0)
+    base, opened = thresholds[None], thresholds[0.1]
+    assert torch.equal(base, (top + 4.0 * top.abs()).clamp_min(0.25))
+    low = (top + 0.1 * top.abs()).clamp_min(0.25)
+    assert (opened <= base).all() and (opened >= low).all() and (opened < base).any()
+    assert torch.equal(opened[8:], base[8:])  # only the facts' own neurons (0-8) move
+    for x in tr.anchor_inputs:
+        assert torch.count_nonzero(block.block(x, published=True)) == 0
+    # Key tokens: the prompt's last token predicts the answer's first; "It
+    # is Quen" is 10 bytes, the whole of "Elsa." 5.
+    p = [len(tok.apply_chat_template([{"role": "user", "content": f.question}])) for f in facts]
+    assert [tr.key_tokens(f) for f in facts] == [slice(p[0] - 1, p[0] + 9), slice(p[1] - 1, p[1] + 4)]
+    shut_before = shut_after = 0
+    for f, x in zip(facts, tr.block_inputs([(f.question, f.answer) for f in facts])):
+        xs = x[tr.key_tokens(f)]
+        shut_before += int((~block.gate_mask(xs, wg, base)).sum())
+        after = block.gate_mask(xs, wg, opened)
+        shut_after += int((~after).sum())
+        # A token stays shut only when none of its fact's neurons rises above its bound there.
+        own = slice(0, 4) if f is facts[0] else slice(4, 8)
+        rise = (xs[~after] @ wg[own].T) - low[own]
+        assert (rise <= 0).all()
+    assert shut_after < shut_before
+    for bad in (-0.1, 4.5, "a"):
+        with pytest.raises(ValueError, match="key_gate_margin must be None or a number"):
+            TrainConfig(gate_margin=4.0, key_gate_margin=bad)
+
+
 def test_config_checks_the_new_settings():
     for kw, msg in [
         ({"init": "zeros"}, "init must be"),

@@ -41,6 +41,14 @@ class TrainConfig:
     # steps): floor 0 left 12/14 generic and 16/18 near controls identical,
     # 1.0 13/14 and 16/18, 1.5 14/14 and 18/18 (facts 23, 23, 22 of 24).
     gate_floor: float = 1.5
+    # Open the gate on the taught facts' key tokens (Trainer._open_on_keys):
+    # where no neuron passes, the fact's own neuron is let through, its
+    # threshold kept above max(top + key_gate_margin * |top|, gate_floor),
+    # top its strongest anchor score. None: thresholds from the anchors alone.
+    # Capacity tune set, 8 jobs of 16 (others_weight 0.03): None 118/128,
+    # 0.25, 0.1 and 0 119/128 (gate off 122/128), controls alike; the widest
+    # of the best was kept.
+    key_gate_margin: float | None = 0.25
     # From this step on, recalibrate the gate before every step and train
     # through it, so the block learns to act through the tokens it passes
     # (None: the gate is set only after training).
@@ -135,6 +143,13 @@ class TrainConfig:
             raise ValueError(f"init must be 'random' or 'keyed', got {self.init!r}")
         if not self.key_scale > 0:
             raise ValueError(f"key_scale must be > 0, got {self.key_scale!r}")
+        if self.key_gate_margin is not None and not (
+            isinstance(self.key_gate_margin, (int, float)) and 0 <= self.key_gate_margin <= self.gate_margin
+        ):
+            raise ValueError(
+                f"key_gate_margin must be None or a number in [0, gate_margin={self.gate_margin}], "
+                f"got {self.key_gate_margin!r}"
+            )
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
 

@@ -153,11 +153,17 @@ class Trainer:
         # template's head, the new facts first, then the earlier jobs', with
         # the neurons each holds. None while there is one round and no
         # earlier fact: nothing was taught before it.
-        self.fact_inputs: list[Tensor] = []
+        # The block inputs of every taught fact's exchange (the new facts
+        # first, then the earlier jobs'), computed once: the keyed neurons'
+        # keys, the others penalty and the gate's key tokens read them.
+        self.taught = [*self.facts, *(_fact_of(e) for e in entries)]
         self._fact_ranges = [*self.ranges, *(e.get("neurons") for e in entries)]
+        self._taught_inputs: list[Tensor] = []
+        if config.init == "keyed" and self.taught:
+            self._taught_inputs = self.block_inputs([(f.question, f.answer) for f in self.taught])
+        self.fact_inputs: list[Tensor] = []
         if config.others_weight and config.init == "keyed" and self.facts and (entries or len(self.rounds) > 1):
-            exchanges = [(f.question, f.answer) for f in [*self.facts, *(_fact_of(e) for e in entries)]]
-            self.fact_inputs = [x[head:] for x in self.block_inputs(exchanges)]
+            self.fact_inputs = [x[head:] for x in self._taught_inputs]
         # The hidden state entering layer L of each example, computed once:
         # the layers before L are frozen and hold no trainable block, so it is
         # the same at every step (about a quarter of a step's work).
@@ -272,7 +278,7 @@ class Trainer:
         and anchor tokens spread around that mean by key_scale over the key's
         Mahalanobis distance. The published weights are left as they are."""
         b, cfg = self.block, self.config
-        inputs = self.block_inputs([(f.question, f.answer) for f in self.facts])
+        inputs = self._taught_inputs[: len(self.facts)]
         d = self.adapter.hidden_size
         if self.anchor_inputs:
             xa = torch.cat(self.anchor_inputs).double()
@@ -527,7 +533,50 @@ class Trainer:
         for x in self.anchor_inputs:
             torch.maximum(top, (x @ wg.T).float().amax(0), out=top)
         b.threshold = (top + cfg.gate_margin * top.abs()).clamp_min(cfg.gate_floor)
+        if cfg.key_gate_margin is not None:
+            self._open_on_keys(top, b.threshold)
         return b.threshold
+
+    def key_tokens(self, fact: Fact) -> slice:
+        """Positions of the fact's exchange (example_ids) that predict its
+        answer's tokens up to the end of its key (the whole answer when the
+        key is not in it)."""
+        tok = self.tokenizer
+        from resident_trainer.train.data import chat_prompt_ids
+
+        p = len(chat_prompt_ids(tok, fact.question))
+        at = fact.answer.find(fact.recall_key)
+        end = len(fact.answer) if at < 0 else at + len(fact.recall_key)
+        n = len(tok(fact.answer[:end], add_special_tokens=False)["input_ids"])
+        n = min(n, len(tok(fact.answer, add_special_tokens=False)["input_ids"]))
+        return slice(p - 1, p - 1 + n)
+
+    @torch.no_grad()
+    def _open_on_keys(self, top: Tensor, threshold: Tensor) -> None:
+        """Open the gate where the taught facts' keys are answered: on each
+        key token (key_tokens) that no neuron passes, the fact's own neuron
+        (of this rank) that rises highest there above its lower bound
+        ``max(top + key_gate_margin * |top|, gate_floor)`` has its threshold
+        lowered to halfway between the two. Every threshold stays above the
+        neuron's strongest anchor score, so the gate stays shut on every
+        anchor token. Without it, the thresholds rose with each job's near
+        negatives and hid taught facts that the ungated block recalled
+        (capacity set, 8 jobs of 16: 76/128 gated, 100/128 ungated)."""
+        b, cfg = self.block, self.config
+        wg = b.w_gate_up[: b.local_neurons]
+        low = (top + cfg.key_gate_margin * top.abs()).clamp_min(cfg.gate_floor)
+        for f, x, rng in zip(self.taught, self._taught_inputs, self._fact_ranges):
+            own = self._local_rows([rng]) if rng else None
+            xs = x[self.key_tokens(f)]
+            # Every rank agrees on which tokens are shut (the margins are maxed over ranks).
+            shut = b.gate_margins(xs, wg, threshold) <= 0
+            if own is None or not bool(shut.any()):
+                continue
+            rise = (xs[shut] @ wg[own].T).float() - low[own]  # (shut tokens, own neurons)
+            best, j = rise.max(1)
+            ok = best > 0
+            for n, r in zip(own[j[ok]].tolist(), best[ok].tolist()):
+                threshold[n] = min(float(threshold[n]), float(low[n]) + r / 2)
 
     # --- the job -------------------------------------------------------------------
 

@@ -373,13 +373,11 @@ def test_others_penalty_keeps_a_rounds_neurons_off_earlier_facts_tokens():
     _, g = grads(tr3, 1)  # others_batch 1: step 1 reads the second earlier fact (neurons 4-8)
     assert (g[4:8] == 0).all() and (g[:4] > 0).all() and (g[8:12] > 0).all()
     tr3.discard()
-    # Nothing to penalise in one round on a fresh block, nor at weight 0 (the
-    # default).
+    # Nothing to penalise in one round on a fresh block, nor at weight 0.
     a, block, config = _setup(others_weight=0.5)
     tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
     assert tr.fact_inputs == [] and tr.others_penalty(0) is None
     tr.run()
-    assert TrainConfig().others_weight == 0
     tr = Trainer(a, block, tok, new, dataclasses.replace(config, others_weight=0.0), anchors=ANCHORS)
     assert tr.fact_inputs == [] and tr.others_penalty(0) is None
     for kw, msg in [({"others_weight": -1}, "others_weight must be >= 0"), ({"others_batch": 0}, "others_batch")]:

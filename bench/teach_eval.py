@@ -33,6 +33,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+PARTS = ("one_job", "four_jobs", "capacity_one_job", "capacity_eight_jobs")
+
+
 def cpu_model() -> str:
     """lscpu's model name, with the family/model numbers and the widest
     vector extension (the name alone is "AMD EPYC" on some machines)."""
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--negatives", type=int, default=4, help="near negatives per fact (default: 4)")
     p.add_argument(
         "--only",
-        choices=["one_job", "four_jobs", "capacity_one_job", "capacity_eight_jobs"],
+        choices=PARTS,
         default=None,
         help="run only this part, keeping the other from the existing --out file",
     )
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
     for folder in (os.path.dirname(os.path.abspath(args.out)), args.plots):
         if not os.path.isdir(folder):
             p.error(f"folder {folder} does not exist")
+    if args.only is not None and not os.path.exists(args.out):
+        p.error(f"--only keeps the other parts from --out {args.out}, which does not exist")
 
     import torch
 
@@ -105,19 +110,22 @@ def main(argv=None) -> int:
         ),
         ("capacity_eight_jobs", dict(jobs=split_jobs(many, 8), score_each_job=True, config=wide)),
     ]
+    if args.only is not None or os.path.exists(args.out):  # parts not rerun keep their figures
+        with open(args.out, encoding="utf-8") as f:
+            kept = json.load(f)
+        for k in PARTS:  # a part without its own cpu was measured on the file's
+            if k in kept and "cpu" not in kept[k]:
+                kept[k]["cpu"] = kept.get("cpu", "unknown CPU")
+        out = {**kept, **out}
     if args.only is not None:
-        with open(args.out, encoding="utf-8") as f:
-            out = {**json.load(f), "cpu": cpu}
         runs = [r for r in runs if r[0] == args.only]
-    elif os.path.exists(args.out):  # parts not rerun keep their figures
-        with open(args.out, encoding="utf-8") as f:
-            out = {**json.load(f), **out}
     for name, kw in runs:
         model, tok = load_smollm2()  # a fresh model each run: nothing carries over
         t0 = time.perf_counter()
         kw = {"config": config, **kw}
         report = teach_jobs(model, tok, negatives=args.negatives, log=print, **kw)
         report["config"] = vars(kw["config"]) | {}
+        report["cpu"] = cpu  # parts kept from an earlier file may come from another machine
         report["wall_seconds"] = round(time.perf_counter() - t0, 1)
         out[name] = report
         print(f"{name}: {summary_line(report['summary'])}; training {report['train_seconds']:.0f} s", flush=True)
@@ -147,6 +155,8 @@ def plot(out: dict, folder: str) -> None:
             s["near_controls_identical"] / s["near_controls"],
         )
 
+    cpus = {out[k].get("cpu", out["cpu"]) for k in PARTS if k in out}
+    where = cpus.pop() if len(cpus) == 1 else "parts measured on different CPUs (each part's cpu in the JSON)"
     labels = ("facts recalled", "held-out rewordings", "generic controls identical", "near controls identical")
 
     def figure(xs, summaries, xlabel, title, name, loc, ticks=True, also=None):
@@ -163,7 +173,7 @@ def plot(out: dict, folder: str) -> None:
         ax.set_ylim(-0.03, 1.03)
         if ticks:
             ax.set_xticks(xs)
-        ax.set_title(f"SmolLM2-135M, {title}\n{out['cpu']}", fontsize=8)  # two lines: the CPU name is long
+        ax.set_title(f"SmolLM2-135M, {title}\n{where}", fontsize=8)  # two lines: the CPU name is long
         ax.legend(fontsize=8, loc=loc)
         fig.tight_layout()
         fig.savefig(os.path.join(folder, name), dpi=120)

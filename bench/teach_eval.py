@@ -15,7 +15,7 @@ Runs, one after the other, with the shipped TrainConfig and near negatives:
 5. the same 128 in 8 jobs of 16 on one block, scored after each job.
 Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
 rewordings and controls against steps, against jobs (facts taught so far),
-and against the number of facts held. Prints the CPU's model name; about 45
+and against the number of facts held. Prints the CPU's model name; 45-60
 minutes on 2 cores (`--only` runs one part). Needs matplotlib
 (`pip install matplotlib`).
 """

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         ),
         ("capacity_eight_jobs", dict(jobs=split_jobs(many, 8), score_each_job=True, config=wide)),
     ]
-    if args.only is not None or os.path.exists(args.out):  # parts not rerun keep their figures
+    if os.path.exists(args.out):  # parts not rerun keep their figures (--only checked it exists)
         with open(args.out, encoding="utf-8") as f:
             kept = json.load(f)
         for k in PARTS:  # a part without its own cpu was measured on the file's

@@ -25,6 +25,7 @@ import resident_trainer.ops.added_expert as ae
 from resident_trainer import _ext
 from resident_trainer.ops.added_expert import added_expert
 from resident_trainer.ops.saved import saved_bytes
+from resident_trainer.train.block import AddedSharedNeurons
 
 K = 3.0
 ATOL = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-9}
@@ -526,6 +527,49 @@ def test_tensor_parallel_over_two_gloo_ranks(impl, gen):
         ref = [same[0], same[1], same[2][lo:hi], same[3][lo:hi], same[4][:, lo:hi]]
         assert_close(ours, ref, want, torch.float32)
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+def _gate_score_worker(rank, world, port, x, w, exclude, weight, results):
+    from resident_trainer.integrations.torchdist.procs import gloo_worker
+
+    with gloo_worker(rank, world, f"tcp://127.0.0.1:{port}") as group:
+        block = AddedSharedNeurons(x.shape[1], w.shape[0], process_group=group)
+        lo, hi = block.neuron_start, block.neuron_stop
+        leaf = w[lo:hi].clone().requires_grad_()
+        mine = torch.tensor([n - lo for n in exclude if lo <= n < hi], dtype=torch.long)
+        score = block._scores(x, torch.cat([leaf, leaf.detach()]), mine if len(mine) else None)
+        (score * weight).sum().backward()
+        results[rank] = [score.detach(), leaf.grad, torch.tensor([lo, hi])]
+
+
+def test_gate_score_over_two_gloo_ranks_splits_ties_like_one_process(gen):
+    # Neurons 0, 12 and 15 (on both sides of the 10 | 9 cut) are the same
+    # row, so their scores tie on every token; neuron 3 is left out. The
+    # gradient must be split over the three as amax splits it in one process.
+    import torch.multiprocessing as mp
+
+    # Small integers: every product is exact, however each rank's matmul is blocked.
+    x = torch.randint(1, 4, (7, 12), generator=gen).float()
+    w = torch.randint(-3, 3, (19, 12), generator=gen).float()
+    w[[0, 12, 15]] = 3.0  # the top score on every token
+    exclude = [3]
+    weight = torch.randn(7, generator=gen)
+    leaf = w.clone().requires_grad_()
+    pre = (x @ leaf.T).index_fill(-1, torch.tensor(exclude), float("-inf"))
+    want = pre.amax(-1)
+    (want * weight).sum().backward()
+    tied = pre.detach() == want.detach().unsqueeze(-1)
+    assert int(tied.sum(-1).max()) == 3  # the test has cross-rank ties to split
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_gate_score_worker, args=(2, port, x, w, exclude, weight, results), nprocs=2, join=True)
+    for rank in (0, 1):
+        score, grad, cut = results[rank]
+        lo, hi = cut.tolist()
+        torch.testing.assert_close(score, want.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(grad, leaf.grad[lo:hi], rtol=1e-6, atol=1e-6)
 
 
 # --- GPU ----------------------------------------------------------------------------

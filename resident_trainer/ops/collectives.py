@@ -6,6 +6,7 @@ the added expert's neurons split over ranks, the gate score's max over them.
 | `copy_to_ranks(x, g)` | identity (x is replicated) | all-reduce SUM of the ranks' partial gradients |
 | `sum_over_ranks(x, g)` | all-reduce SUM of the ranks' partial outputs | identity |
 | `max_over_ranks(x, g)` | all-reduce MAX, elementwise | the gradient goes to the rank(s) holding the max |
+| `amax_over_ranks(x, g)` | the max over the last dimension of every rank's x | split evenly over every rank's tied maxima, as `amax` in one process |
 """
 
 from __future__ import annotations
@@ -74,3 +75,29 @@ def max_over_ranks(t: Tensor, group) -> Tensor:
     """Elementwise max of `t` over the ranks; the gradient reaches the rank(s)
     holding the max."""
     return _MaxOverRanks.apply(t, group)
+
+
+class _AmaxOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        top = x.amax(-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        tie = x == top.unsqueeze(-1)
+        count = tie.sum(-1, dtype=x.dtype)
+        dist.all_reduce(count, group=group)
+        ctx.save_for_backward(tie, count)
+        return top
+
+    @staticmethod
+    def backward(ctx, grad):
+        tie, count = ctx.saved_tensors
+        return tie * (grad / count).unsqueeze(-1), None
+
+
+def amax_over_ranks(x: Tensor, group) -> Tensor:
+    """The max over the last dimension of the whole tensor whose shards
+    along that dimension the ranks hold; the gradient is split evenly over
+    every tied maximum on every rank, as ``x.amax(-1)`` splits it in one
+    process (max_over_ranks of each rank's amax would give each rank's share
+    in full, and a tie across ranks twice the gradient)."""
+    return _AmaxOverRanks.apply(x, group)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.ops.added_expert import added_expert
-from resident_trainer.ops.collectives import max_over_ranks
+from resident_trainer.ops.collectives import amax_over_ranks, max_over_ranks
 from resident_trainer.train.parallel import shard_range
 
 
@@ -98,17 +98,21 @@ class AddedSharedNeurons(nn.Module):
 
     # --- the block itself -------------------------------------------------
 
-    def _scores(self, x: Tensor, w_gate_up: Tensor) -> Tensor:
-        score = (x @ w_gate_up[: self.local_neurons].T).float().amax(-1)
+    def _scores(self, x: Tensor, w_gate_up: Tensor, exclude: Tensor | None = None) -> Tensor:
+        pre = (x @ w_gate_up[: self.local_neurons].T).float()
+        if exclude is not None:
+            pre = pre.index_fill(-1, exclude, float("-inf"))
         if self.process_group is not None:
-            score = max_over_ranks(score, self.process_group)
-        return score
+            return amax_over_ranks(pre, self.process_group)
+        return pre.amax(-1)
 
-    def gate_scores(self, x: Tensor, *, published: bool = False) -> Tensor:
+    def gate_scores(self, x: Tensor, *, published: bool = False, exclude: Tensor | None = None) -> Tensor:
         """(...,) fp32: each token's strongest gate pre-activation ``max_a (x . Wg_a)``
         over every rank's neurons, of the trainable weights (differentiable:
-        the gradient reaches the neuron(s) holding the max) or the published ones."""
-        return self._scores(x, self.published_gate_up if published else self.w_gate_up)
+        the gradient reaches the neuron(s) holding the max, split evenly over
+        ties as in one process) or the published ones; `exclude`: this rank's local neuron indices left out (-inf for
+        a rank whose neurons are all left out)."""
+        return self._scores(x, self.published_gate_up if published else self.w_gate_up, exclude)
 
     def gate_margins(self, x: Tensor, w_gate_up: Tensor, threshold: Tensor | float) -> Tensor:
         """(...,) fp32: each token's largest ``x . Wg_a - t_a`` over every

@@ -10,9 +10,10 @@ Runs, one after the other, with the shipped TrainConfig and near negatives:
 2. the same 24 facts in 4 jobs of 6 on one block, scored after each job;
 3. a retraction job removing 2 of them;
 4. capacity: the 128 facts of the capacity set (no setting was chosen on
-   them) in one job, on a block of 1024 neurons (8 rounds of 16, 60 steps
+   them) in one job, on a block of 1152 neurons (8 rounds of 16, 60 steps
    each: 480);
-5. the same 128 in 8 jobs of 16 on one block, scored after each job.
+5. the same 128 in 8 jobs of 16 on one block, scored after each job, with
+   the baselines.
 Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
 rewordings and controls against steps, against jobs (facts taught so far),
 and against the number of facts held. Prints the CPU's model name; 45-60
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     from resident_trainer.eval.teach import split_jobs, teach_jobs
     from resident_trainer.models import load_smollm2
     from resident_trainer.train import TrainConfig, steps_for
+    from resident_trainer.train.config import fact_neurons
 
     cpu = cpu_model()
     print(f"CPU: {cpu}; {torch.get_num_threads()} threads", flush=True)
@@ -88,8 +90,8 @@ def main(argv=None) -> int:
     config = TrainConfig()
     out = {"cpu": cpu, "half": args.half, "negatives": args.negatives, "config": vars(config) | {}}
     many = capacity_facts()
-    # 8 neurons a fact: 1024 hold 128 facts (the default 256 hold 32).
-    wide = dataclasses.replace(config, num_neurons=1024)
+    # 9 neurons a fact (8 trained, a gate neuron): 1152 hold 128 facts (the default 288 hold 32).
+    wide = dataclasses.replace(config, num_neurons=len(many) * fact_neurons(config))
     runs = [
         (
             "one_job",
@@ -108,7 +110,10 @@ def main(argv=None) -> int:
             "capacity_one_job",
             dict(jobs=split_jobs(many, 1), config=dataclasses.replace(wide, steps=steps_for(len(many)))),
         ),
-        ("capacity_eight_jobs", dict(jobs=split_jobs(many, 8), score_each_job=True, config=wide)),
+        (
+            "capacity_eight_jobs",
+            dict(jobs=split_jobs(many, 8), score_each_job=True, baselines=True, config=wide),
+        ),
     ]
     if os.path.exists(args.out):  # parts not rerun keep their figures (--only checked it exists)
         with open(args.out, encoding="utf-8") as f:
@@ -196,7 +201,8 @@ def plot(out: dict, folder: str) -> None:
     also = None if single is None else (single["summary"]["facts"], single["summary"])
     xlabel = "facts held (capacity set, jobs of 16" + ("; squares: all 128 in one job, rounds of 16)" if also else ")")
     figure([r["facts"] for r in rows], rows, xlabel,
-           "1024 neurons, after each job", "teaching_facts.png", "lower left", also=also)  # fmt: skip
+           f"{out['capacity_eight_jobs']['config']['num_neurons']} neurons, after each job", "teaching_facts.png",
+           "lower left", also=also)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from resident_trainer.train import (
     read_facts,
     steps_for,
 )
+from resident_trainer.train.config import fact_neurons
 from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, subject_span
 
 
@@ -147,6 +148,7 @@ def _setup(num_neurons=32, **cfg):
             "batch_size": 4,
             "init": "keyed",
             "neurons_per_fact": 4,
+            "gate_neurons": False,  # the trained neurons' mechanics; gate neurons have their own tests
             **cfg,
         }
     )
@@ -187,6 +189,78 @@ def test_keyed_neurons_take_free_rows_and_the_memory_follows_publish_and_revert(
     assert all(sum(p >= tr2.n_new for p in pk) == 1 for pk in picks)  # rehearse_share 0.25 of 4
     tr2.discard()  # nothing published: the memory is what was published
     assert block.memory == block.published_memory and block.memory["used"] == 8
+
+
+def test_gate_neurons_open_the_gate_on_the_keys_and_add_nothing():
+    a, block, config = _setup(steps=20, gate_neurons=True, gate_margin=0.5, gate_floor=0.25)
+    tok = ByteTokenizer()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    # Each fact takes its 4 trained neurons and a gate neuron, the last of its range.
+    assert tr.ranges == [[0, 5], [5, 10]] and tr.gates == [4, 9]
+    assert [(e["neurons"], e["gate"]) for e in block.memory["taught"]] == [([0, 5], 4), ([5, 10], 9)]
+    assert block.memory["used"] == 10
+    assert _rows_zero(block, 4, 5) and _rows_zero(block, 9, 10) and not _rows_zero(block, 0, 4)
+    tr.run()
+    n, gates = block.num_neurons, [4, 9]
+    gu, down, thr = block.published_gate_up, block.published_down, block.published_threshold
+    # Fitted gate rows; zero up rows and down columns: they add nothing.
+    assert all(gu[g].abs().sum() > 0 and gu[n + g].abs().sum() == 0 and down[:, g].abs().sum() == 0 for g in gates)
+    x = torch.cat([*tr.anchor_inputs, *tr._taught_inputs])
+    out = block.block(x, published=True, gated=False)
+    with torch.no_grad():
+        gu[gates] = 0
+        assert torch.equal(block.block(x, published=True, gated=False), out)
+        gu.copy_(block.w_gate_up)
+    # The gate is shut on every anchor token; each gate neuron's threshold is
+    # its strongest anchor score plus gate_margin times that score's distance
+    # from the anchors' mean score; it passes some of its fact's key tokens.
+    xa = torch.cat(tr.anchor_inputs)
+    assert not block.gate_mask(xa, gu, thr).any()
+    for f, xf, g in zip(tr.taught, tr._taught_inputs, gates):
+        scores = xa @ gu[g]
+        mean = tr._whitening()[0].float() @ gu[g]
+        want = scores.max() + config.gate_margin * (scores.max() - mean).abs()
+        torch.testing.assert_close(thr[g], want, rtol=1e-5, atol=1e-5)
+        assert (xf[tr.key_tokens(f)] @ gu[g] > thr[g]).any(), f.question
+    # The anchor gate penalty leaves the gate neurons out.
+    pre = xa @ block.w_gate_up[:n].T
+    pre[:, gates] = float("-inf")
+    assert torch.equal(block.gate_scores(xa, exclude=tr._gate_rows), pre.amax(-1))
+    # A later job refits the earlier gate rows to its anchors (near negatives
+    # added) and leaves the earlier trained neurons as they were.
+    before = block.w_gate_up.detach().clone()
+    tr2 = Trainer(
+        a,
+        block,
+        tok,
+        [Fact("Color of vex?", "Teal.")],
+        config,
+        anchors=ANCHORS,
+        negatives=[("Capital of Vorb?", "Pell.")],
+    )
+    assert tr2.ranges == [[10, 15]] and tr2.gates == [14] and tr2._fact_gates == [14, 4, 9]
+    tr2.run()
+    w = block.published_gate_up
+    assert torch.equal(w[:4], before[:4]) and torch.equal(w[5:9], before[5:9])
+    assert not torch.equal(w[4], before[4]) and not torch.equal(w[9], before[9])
+    assert (
+        w[14].abs().sum() > 0 and not block.gate_mask(torch.cat(tr2.anchor_inputs), w, block.published_threshold).any()
+    )
+
+
+def test_gate_neurons_need_two_neurons_a_fact_and_the_gate():
+    # One neuron a fact: it is trained, no gate neuron.
+    a, block, config = _setup(num_neurons=2, gate_neurons=True)
+    tr = Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=ANCHORS)
+    assert tr.ranges == [[0, 1], [1, 2]] and tr.gates == [None, None]
+    assert all("gate" not in e for e in block.memory["taught"])
+    for kw in ({"gate": False}, {"init": "random"}):
+        a, block, config = _setup(gate_neurons=True, **kw)
+        tr = Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=ANCHORS)
+        assert tr.gates == [None, None] and fact_neurons(config) == 4
+    assert fact_neurons(TrainConfig()) == TrainConfig().neurons_per_fact + 1
+    with pytest.raises(ValueError, match="gate_neurons must be True or False"):
+        TrainConfig(gate_neurons=1)
 
 
 def test_retraction_clears_the_facts_neurons_and_keeps_the_rest(tmp_path):

@@ -38,7 +38,12 @@ def add_parser(sub) -> None:
         default="float32",
         help="weights' dtype (default: float32)",
     )
-    s.add_argument("--neurons", type=int, default=256, help="added neurons, split over the ranks (default: 256)")
+    s.add_argument(
+        "--neurons",
+        type=int,
+        default=288,
+        help="added neurons, split over the ranks (default: 288: 32 facts at 9 a fact)",
+    )
     s.add_argument("--layer", type=int, default=None, help="layer of the block (default: the middle layer)")
     s.add_argument(
         "--compiled",

@@ -94,7 +94,8 @@ def add_parser(sub) -> None:
         "--neurons-per-fact",
         type=int,
         default=TrainConfig.neurons_per_fact,
-        help=f"neurons keyed on each new fact (default: {TrainConfig.neurons_per_fact})",
+        help=f"neurons keyed and trained on each new fact (default: {TrainConfig.neurons_per_fact}); "
+        "each fact also takes one gate neuron",
     )
     t.add_argument(
         "--negatives",
@@ -121,6 +122,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
     from resident_trainer.eval.devset import DEMO_FACTS_FILE
     from resident_trainer.eval.teach import split_jobs
     from resident_trainer.train import ANCHOR_PROMPTS, FactError, TrainConfig, read_facts, steps_for
+    from resident_trainer.train.config import fact_neurons
     from resident_trainer.train.trainer import neuron_share
 
     try:
@@ -170,13 +172,14 @@ def cmd_teach(args: argparse.Namespace) -> int:
     if config.init == "keyed":
         used = 0
         for k, job in enumerate(split_jobs(facts, args.jobs), start=1):
-            per = neuron_share(len(job), config.num_neurons - used, config.neurons_per_fact)
+            per = neuron_share(len(job), config.num_neurons - used, fact_neurons(config))
             if per < 1:
                 return bad(
                     "teach",
                     f"job {k} of {args.jobs} has {len(job)} facts and {config.num_neurons - used} free neurons "
                     f"of --neurons {config.num_neurons} ({used} taken by the jobs before it at "
-                    f"--neurons-per-fact {config.neurons_per_fact}): raise --neurons or lower --neurons-per-fact",
+                    f"--neurons-per-fact {config.neurons_per_fact} and a gate neuron a fact): raise --neurons or "
+                    "lower --neurons-per-fact",
                 )
             used += per * len(job)
     return _teach_here(args, config, facts, controls, retract)

@@ -23,7 +23,7 @@ from resident_trainer.ops.added_expert import added_expert
 from resident_trainer.ops.fingerprint import FingerprintTable
 from resident_trainer.train.block import AddedSharedNeurons
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
-from resident_trainer.train.config import TrainConfig
+from resident_trainer.train.config import TrainConfig, fact_neurons
 from resident_trainer.train.data import Fact, Microbatch, chat_prompt_ids, collate, example_ids, rewordings
 from resident_trainer.train.facts import facts_to_json, parse_fact
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
@@ -97,6 +97,9 @@ class Trainer:
         frozen = [e["neurons"] for e in entries if e.get("neurons")] if config.freeze_taught and self.facts else []
         # Before any slow work: a block without room for the new facts says so.
         self.ranges = self.allocate() if config.init == "keyed" else [None] * len(self.facts)
+        # Each new fact's gate neuron, the last of its range (None: no room for one).
+        extra = fact_neurons(config) - config.neurons_per_fact
+        self.gates = [r[1] - 1 if r is not None and extra and r[1] - r[0] > 1 else None for r in self.ranges]
         # Rounds (keyed): facts [lo, hi) trained over steps [s0, s1), the
         # other new facts' neurons held as they are (config.round_facts).
         self.rounds = self._plan_rounds()
@@ -135,6 +138,7 @@ class Trainer:
         self.negatives = list(remembered.items())
         anchors = [*anchors, *self.negatives]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
+        self._whiten: tuple[Tensor, Tensor] | None = None  # _whitening()
         # The prefix every example shares (the chat template's system turn):
         # its keys and values are computed once, with the block off, and the
         # examples train on the rest. Serving agrees: every anchor starts with
@@ -153,6 +157,8 @@ class Trainer:
         # gate's key tokens read them.
         self.taught = [*self.facts, *(_fact_of(e) for e in entries)]
         self._fact_ranges = [*self.ranges, *(e.get("neurons") for e in entries)]
+        self._fact_gates = [*self.gates, *(e.get("gate") for e in entries)]
+        self._gate_rows = self._local_rows([[g, g + 1] for g in self._fact_gates if g is not None])
         self._taught_inputs: list[Tensor] = []
         if config.init == "keyed" and self.taught:
             self._taught_inputs = self.block_inputs([(f.question, f.answer) for f in self.taught])
@@ -175,7 +181,11 @@ class Trainer:
         if config.init == "keyed":
             self.key_neurons()
         block.memory = {
-            "taught": entries + [{**facts_to_json([f])[0], "neurons": r} for f, r in zip(self.facts, self.ranges)],
+            "taught": entries
+            + [
+                {**facts_to_json([f])[0], "neurons": r, **({} if g is None else {"gate": g})}
+                for f, r, g in zip(self.facts, self.ranges, self.gates)
+            ],
             # Random rows: every neuron trains on every fact, none stays free.
             "used": block.num_neurons
             if config.init == "random" and self.facts
@@ -187,11 +197,13 @@ class Trainer:
 
     def allocate(self) -> list[list[int]]:
         """Global neuron ranges [start, stop) for the new facts, taken from
-        the free neurons after those in use (neurons_per_fact each, fewer
-        when fewer are free); ValueError when there is not one per fact."""
+        the free neurons after those in use (fact_neurons(config) each: the
+        trained ones and the gate neuron; fewer when fewer are free, the gate
+        neuron kept while there are two a fact); ValueError when there is not
+        one per fact."""
         used, n = self._memory_before["used"], len(self.facts)
         free = self.block.num_neurons - used
-        per = neuron_share(n, free, self.config.neurons_per_fact)
+        per = neuron_share(n, free, fact_neurons(self.config))
         if n and per < 1:
             raise ValueError(
                 f"the block has {free} free neurons of {self.block.num_neurons}, and {n} new facts need at "
@@ -265,8 +277,8 @@ class Trainer:
 
     @torch.no_grad()
     def key_neurons(self) -> None:
-        """Point each new fact's neurons (its range; neuron n of a range that
-        starts at s takes key (n - s) % K of the fact's K key positions) at its
+        """Point each new fact's trained neurons (its range but the gate
+        neuron; neuron n of a range that starts at s takes key (n - s) % K of the fact's K key positions) at its
         key positions' block inputs. Each key is whitened by the anchors' input
         covariance (as ROME whitens its keys): with x the key input, mu and S
         the anchors' mean and covariance, the gate and up rows are
@@ -276,23 +288,15 @@ class Trainer:
         Mahalanobis distance. The published weights are left as they are."""
         b, cfg = self.block, self.config
         inputs = self._taught_inputs[: len(self.facts)]
-        d = self.adapter.hidden_size
-        if self.anchor_inputs:
-            xa = torch.cat(self.anchor_inputs).double()
-            mu = xa.mean(0)
-            cov = torch.cov(xa.T) if xa.shape[0] > 1 else torch.zeros(d, d, dtype=torch.float64)
-            cov = cov + (1e-3 * cov.diagonal().mean().clamp_min(1e-6)) * torch.eye(d, dtype=torch.float64)
-            prec = torch.linalg.inv(cov)
-        else:
-            mu = torch.zeros(d, dtype=torch.float64)
-            prec = torch.eye(d, dtype=torch.float64)
+        mu, prec = self._whitening()
         # Neurons no fact holds (free, or a retracted fact's) are zero.
         self._clear_rows(self._memory_before["used"], b.num_neurons)
         for e in [*self.retracted, *self.replaced]:
             if e.get("neurons"):
                 self._clear_rows(*e["neurons"])
         a = b.local_neurons
-        for f, x, (start, stop) in zip(self.facts, inputs, self.ranges):
+        for f, x, (start, stop), gate in zip(self.facts, inputs, self.ranges, self.gates):
+            stop = stop if gate is None else gate  # the gate neuron stays zero until calibration
             keys = []
             for p in self.key_positions(f):
                 v = x[p].double() - mu
@@ -303,6 +307,28 @@ class Trainer:
                 b.w_gate_up[n - b.neuron_start] = k
                 b.w_gate_up[a + n - b.neuron_start] = k
                 b.w_down[:, n - b.neuron_start] = 0
+
+    def _whitening(self) -> tuple[Tensor, Tensor]:
+        """The anchors' block-input mean and inverse covariance (fp64, on the
+        block's device; the covariance regularised by 1e-3 of its mean
+        diagonal), computed once a job: the anchors are fixed for the job.
+        Without anchors: zero and the identity."""
+        if self._whiten is None:
+            d = self.adapter.hidden_size
+            dev = self.block.w_down.device
+            if self.anchor_inputs:
+                xa = torch.cat(self.anchor_inputs).double()
+                mu = xa.mean(0)
+                cov = torch.cov(xa.T) if xa.shape[0] > 1 else torch.zeros(d, d, dtype=torch.float64, device=dev)
+                eye = torch.eye(d, dtype=torch.float64, device=dev)
+                cov = cov + (1e-3 * cov.diagonal().mean().clamp_min(1e-6)) * eye
+                self._whiten = (mu, torch.linalg.inv(cov))
+            else:
+                self._whiten = (
+                    torch.zeros(d, dtype=torch.float64, device=dev),
+                    torch.eye(d, dtype=torch.float64, device=dev),
+                )
+        return self._whiten
 
     # --- anchors -----------------------------------------------------------
 
@@ -364,7 +390,8 @@ class Trainer:
             # The gate's score on each anchor token (its strongest gate
             # pre-activation over every rank's neurons), pushed down where
             # positive; the gradient reaches the neuron(s) holding the max.
-            top = self.block.gate_scores(x)
+            # Gate neurons left out: theirs is not a trained score.
+            top = self.block.gate_scores(x, exclude=self._gate_rows)
             total = total + cfg.anchor_gate_weight * torch.relu(top).square().mean()
         return total
 
@@ -530,9 +557,50 @@ class Trainer:
         for x in self.anchor_inputs:
             torch.maximum(top, (x @ wg.T).float().amax(0), out=top)
         b.threshold = (top + cfg.gate_margin * top.abs()).clamp_min(cfg.gate_floor)
+        self.fit_gate_neurons(b.threshold)
         if cfg.key_gate_margin is not None:
             self._open_on_keys(top, b.threshold)
         return b.threshold
+
+    @torch.no_grad()
+    def fit_gate_neurons(self, threshold: Tensor) -> None:
+        """Refit every taught fact's gate neuron (on this rank) to the fact's
+        key tokens (key_tokens) against every anchor token. With m the key
+        tokens' mean block input and mu, S the anchors' mean and covariance
+        (_whitening), its gate row is ``g = S^-1 (m - mu) / ((m - mu)^T S^-1
+        (m - mu))`` (the key tokens' mean scores 1 above the anchors' mean);
+        its up and down rows are zero, so it adds nothing and its only role is
+        to open the gate. Its threshold is its strongest score on any anchor
+        token, as computed from the stored row, plus gate_margin times that
+        score's distance from the anchors' mean score: the gate stays shut on
+        every anchor token. Refitted at each calibration, the row follows the
+        anchors a later job brings instead of being hidden by them."""
+        b, cfg = self.block, self.config
+        mine = [
+            (i, g - b.neuron_start)
+            for i, g in enumerate(self._fact_gates)
+            if g is not None and b.neuron_start <= g < b.neuron_stop
+        ]
+        if not mine or not self.anchor_inputs:
+            return
+        mu, prec = self._whitening()
+        rows = []
+        for i, _ in mine:
+            v = self._taught_inputs[i][self.key_tokens(self.taught[i])].double().mean(0) - mu
+            w = prec @ v
+            rows.append(w / (v @ w).clamp_min(1e-12))
+        w = torch.stack(rows)  # (gates, D), fp64
+        n = torch.tensor([j for _, j in mine], dtype=torch.long, device=b.w_down.device)
+        a = b.local_neurons
+        b.w_gate_up[n] = w.to(b.w_gate_up.dtype)
+        b.w_gate_up[n + a] = 0
+        b.w_down[:, n] = 0
+        stored = b.w_gate_up[n]
+        top = torch.full((len(mine),), float("-inf"), dtype=torch.float32, device=stored.device)
+        for x in self.anchor_inputs:
+            torch.maximum(top, (x @ stored.T).float().amax(0), out=top)
+        spread = (top.double() - (w @ mu)).abs().float()
+        threshold[n] = top + cfg.gate_margin * spread
 
     def key_tokens(self, fact: Fact) -> slice:
         """Positions of the fact's exchange (example_ids) that predict its
@@ -560,8 +628,9 @@ class Trainer:
         b, cfg = self.block, self.config
         wg = b.w_gate_up[: b.local_neurons]
         low = (top + cfg.key_gate_margin * top.abs()).clamp_min(cfg.gate_floor)
-        for f, x, rng in zip(self.taught, self._taught_inputs, self._fact_ranges):
-            own = self._local_rows([rng]) if rng else None
+        for f, x, rng, gate in zip(self.taught, self._taught_inputs, self._fact_ranges, self._fact_gates):
+            # The fact's trained neurons (its gate neuron has its own threshold).
+            own = self._local_rows([rng if gate is None else [rng[0], gate]]) if rng else None
             xs = x[self.key_tokens(f)]
             # Every rank agrees on which tokens are shut (the margins are maxed over ranks).
             shut = b.gate_margins(xs, wg, threshold) <= 0
@@ -644,7 +713,8 @@ class Trainer:
 
 def _fact_of(entry: Mapping) -> Fact:
     """A taught fact from its memory entry."""
-    return parse_fact({k: v for k, v in entry.items() if k != "neurons"}, f"the block's memory ({entry['question']!r})")
+    fact = {k: v for k, v in entry.items() if k not in ("neurons", "gate")}
+    return parse_fact(fact, f"the block's memory ({entry['question']!r})")
 
 
 def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:

@@ -48,7 +48,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "float32"
-    num_neurons: int = 256
+    num_neurons: int = 288
     layer: int | None = None
     compiled: bool = False
     max_model_len: int = 2048

@@ -278,8 +278,8 @@ class Trainer:
     @torch.no_grad()
     def key_neurons(self) -> None:
         """Point each new fact's trained neurons (its range but the gate
-        neuron; neuron n of a range that starts at s takes key (n - s) % K of the fact's K key positions) at its
-        key positions' block inputs. Each key is whitened by the anchors' input
+        neuron; neuron n of a range that starts at s takes key (n - s) % K of
+        the fact's K key positions) at its key positions' block inputs. Each key is whitened by the anchors' input
         covariance (as ROME whitens its keys): with x the key input, mu and S
         the anchors' mean and covariance, the gate and up rows are
         ``g = key_scale * S^-1 (x - mu) / ((x - mu)^T S^-1 (x - mu))``, so the

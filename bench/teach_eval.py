@@ -139,8 +139,11 @@ def main(argv=None) -> int:
         for j in report["jobs"]:
             if "summary" in j:
                 print(f"  after job: {summary_line(j['summary'])} ({j['seconds']:.0f} s)", flush=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2, default=str)
+        # Written after every part: a run stopped later keeps the parts it finished.
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2, default=str)
+        os.replace(tmp, args.out)
     plot(out, args.plots)
     print(f"wrote {args.out} and the plots in {args.plots}")
     return 0

@@ -569,7 +569,9 @@ def test_gate_score_over_two_gloo_ranks_splits_ties_like_one_process(gen):
         score, grad, cut = results[rank]
         lo, hi = cut.tolist()
         torch.testing.assert_close(score, want.detach(), rtol=0, atol=0)
-        torch.testing.assert_close(grad, leaf.grad[lo:hi], rtol=1e-6, atol=1e-6)
+        # fp32 sums of the 7 tokens' terms in any order: at most 7 eps of their absolute sum (0 measured).
+        bound = 7 * torch.finfo(torch.float32).eps * (weight.abs() @ x.abs()) / 3
+        assert bool(((grad - leaf.grad[lo:hi]).abs() <= bound).all())
 
 
 # --- GPU ----------------------------------------------------------------------------

@@ -110,8 +110,9 @@ class AddedSharedNeurons(nn.Module):
         """(...,) fp32: each token's strongest gate pre-activation ``max_a (x . Wg_a)``
         over every rank's neurons, of the trainable weights (differentiable:
         the gradient reaches the neuron(s) holding the max, split evenly over
-        ties as in one process) or the published ones; `exclude`: this rank's local neuron indices left out (-inf for
-        a rank whose neurons are all left out)."""
+        ties as in one process) or the published ones. `exclude`: this
+        rank's local neuron indices left out (-inf for a rank whose neurons
+        are all left out)."""
         return self._scores(x, self.published_gate_up if published else self.w_gate_up, exclude)
 
     def gate_margins(self, x: Tensor, w_gate_up: Tensor, threshold: Tensor | float) -> Tensor:

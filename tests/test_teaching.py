@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from resident_trainer import cli
-from resident_trainer.eval.devset import DEMO_FACTS_FILE, dev_facts, near_controls
+from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
 from resident_trainer.eval.report import contains_key, score, summary_line
 from resident_trainer.eval.teach import default_controls, split_jobs
@@ -31,7 +31,9 @@ from resident_trainer.train import (
     steps_for,
 )
 from resident_trainer.train.config import fact_neurons
+from resident_trainer.train.data import chat_prompt_ids, example_ids
 from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, subject_span
+from resident_trainer.train.trainer import answer_key_position
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +191,46 @@ def test_keyed_neurons_take_free_rows_and_the_memory_follows_publish_and_revert(
     assert all(sum(p >= tr2.n_new for p in pk) == 1 for pk in picks)  # rehearse_share 0.25 of 4
     tr2.discard()  # nothing published: the memory is what was published
     assert block.memory == block.published_memory and block.memory["used"] == 8
+
+
+def test_keyed_neurons_also_key_the_answers_token_before_its_key():
+    tok = ByteTokenizer()
+    fact = Fact("Capital of Zorb?", "It is Quen.", key="Quen")
+    p = len(tok.apply_chat_template([{"role": "user", "content": fact.question}]))
+    ids, _ = example_ids(tok, fact.question, fact.answer)
+    # "It is" ends at p + 4 (the prompt ends at p - 1); a space, then the key.
+    assert answer_key_position(tok, fact) == p + 4 and tok.decode(ids[p + 5 : p + 10]) == " Quen"
+    # The answer starts with its key, or lacks it: the prompt's last token predicts it.
+    assert answer_key_position(tok, Fact("Capital of Zorb?", "Quen.")) == p - 1
+    assert answer_key_position(tok, Fact("Capital of Zorb?", "It is Quen.", key="Vex")) == p - 1
+    for key_answer in (True, False):
+        a, block, config = _setup(key_answer=key_answer)
+        tr = Trainer(a, block, tok, [fact], config, anchors=ANCHORS)
+        assert (p + 4 in tr.key_positions(fact)) == key_answer and p - 1 in tr.key_positions(fact)
+        # Neurons take the keys in turn: three keys over four neurons, two.
+        g = block.w_gate_up[:4]
+        same = [torch.equal(g[i], g[j]) for i, j in ((0, 1), (0, 2), (1, 2), (0, 3))]
+        assert same == ([False, False, False, True] if key_answer else [False, True, False, False])
+        x = tr._taught_inputs[0].double()
+        mu, _ = tr._whitening()
+        # Each neuron scores key_scale above the anchors' mean at its own key,
+        # up to rounding its fp64 row to fp32: at most 2^-24 of each term.
+        keys = tr.key_positions(fact)
+        for n in range(4):
+            v, w = x[keys[n % len(keys)]] - mu, block.w_gate_up[n].detach().double()
+            bound = 2**-23 * float(v.abs() @ w.abs())
+            assert abs(float(v @ w) - config.key_scale) <= bound, (n, float(v @ w), bound)
+
+
+def test_the_answers_token_before_the_key_predicts_it_on_the_shipped_facts(smol_tok):
+    facts = [*dev_facts(), *capacity_facts(), *capacity_facts(tune=True), *read_facts(DEMO_FACTS_FILE)]
+    for f in facts:
+        ids, targets = example_ids(smol_tok, f.question, f.answer)
+        pos = answer_key_position(smol_tok, f)
+        head = f.answer[: f.answer.find(f.recall_key)].rstrip()
+        assert targets[pos] != -100 and smol_tok.decode(ids[pos + 1 :]).lstrip().startswith(f.recall_key), f.question
+        # The tokens up to it are the answer's up to the space before the key.
+        assert smol_tok.decode(ids[len(chat_prompt_ids(smol_tok, f.question)) : pos + 1]) == head
 
 
 def test_gate_neurons_open_the_gate_on_the_keys_and_add_nothing():

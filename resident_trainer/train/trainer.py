@@ -50,6 +50,21 @@ def neuron_share(n_facts: int, free: int, per_fact: int) -> int:
     return min(per_fact, free // n_facts) if n_facts else 0
 
 
+def answer_key_position(tokenizer, fact: Fact) -> int:
+    """Position in the fact's exchange (example_ids) of the answer's last
+    token before its key: the last one that ends before the space ahead of
+    the key ("is" in "The capital of X is Quen."; the prompt's last token
+    when the answer starts with the key or lacks it)."""
+    p = len(chat_prompt_ids(tokenizer, fact.question))
+    at = fact.answer.find(fact.recall_key)
+    end = len(fact.answer[:at].rstrip()) if at > 0 else 0
+    ids = tokenizer(fact.answer, add_special_tokens=False)["input_ids"]
+    j = 0  # answer tokens that end by `end`
+    while end and j < len(ids) and len(tokenizer.decode(ids[: j + 1])) <= end:
+        j += 1
+    return p - 1 + j
+
+
 class Trainer:
     """Trains an AddedSharedNeurons block attached at `config.layer` of a frozen
     model on facts, with the anchor penalty, rewording augmentation and gate
@@ -253,27 +268,31 @@ class Trainer:
     # --- keyed initialisation -----------------------------------------------------
 
     def key_positions(self, fact: Fact) -> list[int]:
-        """Token positions of the fact's chat prompt the keyed neurons point
-        at: the subject's last token and the prompt's last token."""
+        """Token positions of the fact's exchange (example_ids) the keyed
+        neurons point at: the subject's last token, the prompt's last token
+        and, with config.key_answer, the answer's token before its key
+        (answer_key_position)."""
         from resident_trainer.train.negatives import subject_span
 
         tok = self.tokenizer
         ids = chat_prompt_ids(tok, fact.question)
-        last = len(ids) - 1
+        keys = {len(ids) - 1}
         subject = fact.subject or subject_span(fact.question, tok)
         text = tok.apply_chat_template(
             [{"role": "user", "content": fact.question}], add_generation_prompt=True, tokenize=False
         )
         q0 = text.rfind(fact.question)
         s0 = fact.question.find(subject)
-        if q0 < 0 or s0 < 0:
-            return [last]
-        # The chat text up to the subject's end tokenizes to a prefix of the
-        # prompt's ids when the subject ends at a token boundary (it ends a
-        # word); its last token is the subject's last.
-        head = tok(text[: q0 + s0 + len(subject)], add_special_tokens=False)["input_ids"]
-        pos = len(head) - 1 if 0 < len(head) <= len(ids) and ids[: len(head)] == head else last
-        return sorted({pos, last})
+        if q0 >= 0 and s0 >= 0:
+            # The chat text up to the subject's end tokenizes to a prefix of
+            # the prompt's ids when the subject ends at a token boundary (it
+            # ends a word); its last token is the subject's last.
+            head = tok(text[: q0 + s0 + len(subject)], add_special_tokens=False)["input_ids"]
+            if 0 < len(head) <= len(ids) and ids[: len(head)] == head:
+                keys.add(len(head) - 1)
+        if self.config.key_answer:
+            keys.add(answer_key_position(tok, fact))
+        return sorted(keys)
 
     @torch.no_grad()
     def key_neurons(self) -> None:

@@ -84,15 +84,14 @@ class TrainConfig:
     key_scale: float = 5.0
     # keyed: a third key, the answer's token before its key (the one that
     # predicts it), besides the subject's last token and the prompt's last.
-    # A held-out rewording is answered in the same words ("The capital of X
-    # is"), so that token's input recurs where the question's phrasing does
-    # not. Tune half, one job of 24: 24/24, rewordings 17/24, controls
-    # 14/14 and 18/18, 0 leaks, against 23/24 and 14/24 without; keying
-    # every key token too, 23/24, 19/24, a near control changed and a leak;
-    # without the prompt's last token, 24/24, 16/24, 2 leaks. Capacity tune
-    # set, 8 jobs of 16: 119/128 and 65/128 against 122/128 and 60/128,
-    # controls alike.
-    key_answer: bool = True
+    # Off: it did not hold up on the report half (docs/RESULTS.md). Tune
+    # half, one job of 24: 24/24 and rewordings 17/24 against 23/24 and
+    # 14/24, controls alike, 0 leaks; report half: 24/24 and 10/24 against
+    # 24/24 and 13/24, and a sibling's key leaked (4 jobs of 6: 10/24
+    # against 14/24, a leak). On the capacity sets (128 facts, fewer near
+    # siblings) it answered more rewordings: 67/128 against 60/128 in one
+    # job. Keyed at "is", siblings one letter apart share nearly one input.
+    key_answer: bool = False
     # keyed: trained neurons each new fact takes, its gate neuron besides
     # (fewer when fewer are free; Trainer.allocate).
     neurons_per_fact: int = 8

@@ -72,10 +72,11 @@ class TrainConfig:
     # "random": gate/up rows drawn N(0, init_std), every neuron trains on
     # every fact. "keyed": each new fact takes neurons_per_fact free neurons
     # whose gate and up rows point at its block inputs at its keys (the
-    # subject's last token, the prompt's last, key_answer), whitened by the anchors' covariance
-    # and scaled so the pre-activation there is key_scale above the anchors'
-    # mean (Trainer.key_neurons): on the tune half 19/24 recalled against
-    # 4/24 for random rows, in fewer steps.
+    # subject's last token and the prompt's last; key_answer adds one),
+    # whitened by the anchors' covariance and scaled so the pre-activation
+    # there is key_scale above the anchors' mean (Trainer.key_neurons): on
+    # the tune half 19/24 recalled against 4/24 for random rows, in fewer
+    # steps.
     init: str = "keyed"
     # One job of 24 on the tune half (120 steps): key_scale 4 24/24 recalled,
     # 14/24 rewordings, 0 leaks; 5 24/24, 18/24, 1 leak; 6 22/24, 17/24; 8
@@ -88,9 +89,10 @@ class TrainConfig:
     # half, one job of 24: 24/24 and rewordings 17/24 against 23/24 and
     # 14/24, controls alike, 0 leaks; report half: 24/24 and 10/24 against
     # 24/24 and 13/24, and a sibling's key leaked (4 jobs of 6: 10/24
-    # against 14/24, a leak). On the capacity sets (128 facts, fewer near
-    # siblings) it answered more rewordings: 67/128 against 60/128 in one
-    # job. Keyed at "is", siblings one letter apart share nearly one input.
+    # against 14/24, a leak): at "is", siblings one letter apart have nearly
+    # the same input. On the capacity sets (no such siblings) it answered
+    # more rewordings: 67/128 against 60/128 in one job of 128, 68/128
+    # against 57/128 in 8 jobs of 16, with as many facts or more.
     key_answer: bool = False
     # keyed: trained neurons each new fact takes, its gate neuron besides
     # (fewer when fewer are free; Trainer.allocate).

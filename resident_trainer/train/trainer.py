@@ -57,12 +57,10 @@ def answer_key_position(tokenizer, fact: Fact) -> int:
     when the answer starts with the key or lacks it)."""
     p = len(chat_prompt_ids(tokenizer, fact.question))
     at = fact.answer.find(fact.recall_key)
-    end = len(fact.answer[:at].rstrip()) if at > 0 else 0
-    ids = tokenizer(fact.answer, add_special_tokens=False)["input_ids"]
-    j = 0  # answer tokens that end by `end`
-    while end and j < len(ids) and len(tokenizer.decode(ids[: j + 1])) <= end:
-        j += 1
-    return p - 1 + j
+    if at <= 0:
+        return p - 1
+    # As key_tokens counts them: the answer's text up to there, tokenized alone.
+    return p - 1 + len(tokenizer(fact.answer[:at].rstrip(), add_special_tokens=False)["input_ids"])
 
 
 class Trainer:

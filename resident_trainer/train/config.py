@@ -91,8 +91,9 @@ class TrainConfig:
     # 24/24 and 13/24, and a sibling's key leaked (4 jobs of 6: 10/24
     # against 14/24, a leak): at "is", siblings one letter apart have nearly
     # the same input. On the capacity sets (no such siblings) it answered
-    # more rewordings: 67/128 against 60/128 in one job of 128, 68/128
-    # against 57/128 in 8 jobs of 16, with as many facts or more.
+    # more rewordings: capacity set 67/128 against 60/128 in one job of 128
+    # and 68/128 against 57/128 in 8 jobs of 16, with 2-3 more facts; the
+    # tune set, 8 jobs of 16, 65/128 against 60/128 with 3 fewer.
     key_answer: bool = False
     # keyed: trained neurons each new fact takes, its gate neuron besides
     # (fewer when fewer are free; Trainer.allocate).

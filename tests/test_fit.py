@@ -272,6 +272,28 @@ def test_batched_greedy_replies_equal_one_at_a_time(arch):
         generate_greedy_batch_ids(model, tok, questions, 12, batch_size=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_batched_greedy_replies_continue_the_shared_head(arch):
+    # Questions sharing a long head run it once; each batch continues its
+    # cache with its rows padded after the head (rows of different lengths,
+    # one that is the head plus a single token). Replies equal one at a time.
+    model = toy_model(arch, layers=3, hidden=32, seed=4)
+    tok = ByteTokenizer()
+    questions = [
+        "What is the capital of Zorblaxia?",
+        "What is the capital of Q?",
+        "What is the capital of Velmoria, the old one?",
+        "What is the capital",
+        "What is the capital of Ix?",
+    ]
+    want = [generate_greedy_ids(model, tok, q, 10) for q in questions]
+    assert len({tuple(w) for w in want}) > 1
+    for batch_size in (2, 5):
+        assert generate_greedy_batch_ids(model, tok, questions, 10, batch_size=batch_size) == want
+    assert generate_greedy_batch_ids(model, tok, questions[:1], 10) == want[:1]
+    assert generate_greedy_batch_ids(model, tok, [], 10) == []
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "mixtral"])
 def test_block_inputs_batched_equal_one_at_a_time(arch):
     # Exchanges of different lengths, batched right-padded (the padding

@@ -12,7 +12,11 @@ class TrainConfig:
     the development set's tune half (docs/EVALUATION.md, docs/RESULTS.md)."""
 
     # The layer the block sits at; None: the model's middle layer
-    # (num_layers // 2: 15 of SmolLM2's 30).
+    # (num_layers // 2: 15 of SmolLM2's 30). Tune half, one job of 24, 120
+    # steps: layers 8-12 answered 17-19 held-out rewordings against 14 at
+    # 15, layer 10 18/24 with 14/14 generic controls and no leak; but the
+    # longer replayed suffix takes a job of 24 over 3 minutes (1.10x a step
+    # at layer 10), so the middle stays the default (docs/RESULTS.md).
     layer: int | None = None
     # 9 neurons a fact (neurons_per_fact and its gate neuron): 288 hold 32 facts.
     num_neurons: int = 288

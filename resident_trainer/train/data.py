@@ -98,6 +98,21 @@ def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def common_prefix(seqs: Sequence[Sequence[int]], keep: int = 1) -> int:
+    """Length of the longest prefix all of `seqs` share, leaving every one
+    at least `keep` tokens of its own (0 for no sequences)."""
+    if not seqs:
+        return 0
+    n = min(len(x) for x in seqs) - keep
+    first = seqs[0]
+    for x in seqs[1:]:
+        i = 0
+        while i < n and x[i] == first[i]:
+            i += 1
+        n = i
+    return max(n, 0)
+
+
 def example_ids(tokenizer, question: str, answer: str | Sequence[int]) -> tuple[list[int], list[int]]:
     """(input ids, targets) of one chat exchange; targets are the next token on
     the answer (and its end-of-turn token), -100 elsewhere. `answer` is text

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from resident_trainer.train.data import ANCHOR_PROMPTS, chat_prompt_ids
+from resident_trainer.train.data import ANCHOR_PROMPTS, chat_prompt_ids, common_prefix
 
 
 @torch.no_grad()
@@ -25,19 +25,6 @@ def generate_greedy_ids(model, tokenizer, question: str, max_new_tokens: int = 2
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
     return out[0, ids.shape[1] :].tolist()
-
-
-def _shared_head(prompts: Sequence[Sequence[int]]) -> int:
-    """Tokens every prompt starts with (the chat template's head), leaving
-    each prompt at least one token of its own."""
-    n = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for p in prompts[1:]:
-        i = 0
-        while i < n and p[i] == first[i]:
-            i += 1
-        n = i
-    return max(n, 0)
 
 
 @torch.no_grad()
@@ -64,7 +51,7 @@ def generate_greedy_batch_ids(
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {tokenizer.eos_token_id} if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
     every = [chat_prompt_ids(tokenizer, q) for q in questions]
-    n = _shared_head(every) if len(every) > 1 else 0
+    n = common_prefix(every) if len(every) > 1 else 0
     head_cache = None
     if n:
         head_cache = model(torch.tensor([every[0][:n]], device=device), use_cache=True).past_key_values

@@ -24,7 +24,15 @@ from resident_trainer.ops.fingerprint import FingerprintTable
 from resident_trainer.train.block import AddedSharedNeurons
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
 from resident_trainer.train.config import TrainConfig, fact_neurons
-from resident_trainer.train.data import Fact, Microbatch, chat_prompt_ids, collate, example_ids, rewordings
+from resident_trainer.train.data import (
+    Fact,
+    Microbatch,
+    chat_prompt_ids,
+    collate,
+    common_prefix,
+    example_ids,
+    rewordings,
+)
 from resident_trainer.train.facts import facts_to_json, parse_fact
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
 from resident_trainer.train.loss import StreamedCrossEntropy
@@ -157,9 +165,10 @@ class Trainer:
         # examples train on the rest. Serving agrees: every anchor starts with
         # the same tokens, so the gate is closed on them.
         self.shared = None
-        # Only the chat template's own head: what two unrelated questions share.
-        head = _common_prefix([chat_prompt_ids(tokenizer, "Hello there?"), chat_prompt_ids(tokenizer, "Why not?")])
-        n = min(_common_prefix([ids for ids, _ in self.examples]), head)
+        # Only the chat template's own head: what two unrelated questions
+        # share; each example keeps two tokens of its own.
+        head = common_prefix([chat_prompt_ids(tokenizer, "Hello there?"), chat_prompt_ids(tokenizer, "Why not?")], 2)
+        n = min(common_prefix([ids for ids, _ in self.examples], 2), head)
         if config.shared_prefix and n >= 4 and getattr(adapter, "supports_prefix_kv", False):
             with block.disabled():
                 self.shared = adapter.prefix_kv(self.examples[0][0][:n])
@@ -732,18 +741,3 @@ def _fact_of(entry: Mapping) -> Fact:
     """A taught fact from its memory entry."""
     fact = {k: v for k, v in entry.items() if k not in ("neurons", "gate")}
     return parse_fact(fact, f"the block's memory ({entry['question']!r})")
-
-
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    """Length of the longest prefix all of `seqs` share, leaving every one
-    at least two tokens of its own."""
-    if not seqs:
-        return 0
-    n = min(len(x) for x in seqs) - 2
-    first = seqs[0]
-    for x in seqs[1:]:
-        i = 0
-        while i < n and x[i] == first[i]:
-            i += 1
-        n = i
-    return max(n, 0)

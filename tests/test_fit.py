@@ -348,3 +348,57 @@ def test_config_and_data_errors():
         "Quick question: What is X?",
         "What is X? Please answer briefly.",
     ]
+
+
+class SystemByteTokenizer(ByteTokenizer):
+    """ByteTokenizer with a system turn ahead of every chat: a head every
+    example shares, so the trainer runs it once (its shared prefix)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "\x01Be brief.\x02" + super().apply_chat_template(messages, add_generation_prompt, tokenize)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("system", [False, True])
+def test_a_packed_microbatch_trains_as_the_padded_one(arch, system):
+    # Examples of four lengths in one row, each kept to itself by the mask
+    # with its positions restarting: the loss and every gradient equal those
+    # of the right-padded batch, with and without a shared prefix.
+    model = toy_model(arch, layers=4, hidden=32, seed=1)
+    a = DecoderAdapter(model)
+    tok = SystemByteTokenizer() if system else ByteTokenizer()
+    facts = [*FACTS, Fact("What is the capital of Velmoria?", "Ostrevan, by the sea."), Fact("Hm?", "No.")]
+    config = TrainConfig(layer=1, num_neurons=32, steps=4, batch_size=4, rewordings=1, init="random")
+    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=0)
+    block.attach(a, config.layer)
+    with torch.no_grad():
+        block.w_down.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))  # gate and up rows get gradients too
+    tr = Trainer(a, block, tok, facts, config, anchors=ANCHORS)
+    assert tr.pack and (tr.shared is not None) == system
+    lengths = sorted(len(ids) for ids, _ in tr.examples)
+    assert len(set(lengths)) == 4
+
+    def step(packed):
+        tr.pack = packed
+        mb = tr.microbatch(0)
+        block.w_gate_up.grad = block.w_down.grad = None
+        with block.training_weights():
+            res = tr.replay.step(
+                mb.input_ids,
+                lambda h: tr.loss_fn(h, mb.targets),
+                attention_mask=mb.attention_mask,
+                hidden_in=tr.prefix_hidden(0, mb.input_ids.shape[1]),
+                shared=tr.shared,
+                segments=mb.segments,
+            )
+        return mb, res.loss, block.w_gate_up.grad.clone(), block.w_down.grad.clone()
+
+    mb, *packed = step(True)
+    assert mb.input_ids.shape == (1, sum(lengths)) and mb.segments[0].tolist() == sorted(mb.segments[0].tolist())
+    mb, *padded = step(False)
+    assert mb.input_ids.shape == (4, lengths[-1])
+    assert packed[2].abs().max() > 0 and packed[1].abs().max() > 0
+    for x, y in zip(packed, padded):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="segments needs hidden_in"):
+        tr.replay.step(mb.input_ids, lambda h: h.sum(), segments=torch.zeros_like(mb.input_ids))

@@ -155,27 +155,46 @@ class DecoderAdapter:
         kv.length, kv.recording = len(ids), False
         return kv
 
+    #: context() takes segments: several examples packed into one row.
+    supports_packing = True
+
     def context(
-        self, hidden: Tensor, attention_mask: Tensor | None = None, prefix: PrefixKV | None = None
+        self,
+        hidden: Tensor,
+        attention_mask: Tensor | None = None,
+        prefix: PrefixKV | None = None,
+        segments: Tensor | None = None,
     ) -> LayerContext:
         """Causal mask, rotary embeddings and positions for a (B, T, D) batch.
         attention_mask: optional (B, T) 1/0 padding mask. prefix: the batch's
         rows continue this shared prefix (positions start after it, and
-        every token also attends to all of it)."""
+        every token also attends to all of it). segments: (B, T) ids of the
+        examples packed into each row, each a contiguous run: a token attends
+        only to its own example's earlier tokens (and the prefix), and
+        positions restart with every example."""
         from transformers.masking_utils import create_causal_mask
 
         b, t = hidden.shape[:2]
-        if prefix is not None:
-            p = prefix.length
-            position_ids = torch.arange(p, p + t, device=hidden.device).unsqueeze(0).expand(b, t)
-            allowed = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
-            allowed = allowed.unsqueeze(0).expand(b, t, t)
+        if prefix is not None or segments is not None:
+            dev = hidden.device
+            p = prefix.length if prefix is not None else 0
+            steps = torch.arange(t, device=dev)
+            allowed = torch.ones(t, t, dtype=torch.bool, device=dev).tril().unsqueeze(0).expand(b, t, t)
+            if segments is None:
+                position_ids = (p + steps).unsqueeze(0).expand(b, t)
+            else:
+                first = torch.ones(b, t, dtype=torch.bool, device=dev)
+                first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+                start = torch.where(first, steps, 0).cummax(dim=1).values
+                position_ids = p + steps - start
+                allowed = allowed & (segments[:, :, None] == segments[:, None, :])
             if attention_mask is not None:
                 allowed = allowed & attention_mask.bool()[:, None, :]
-            full = torch.cat([torch.ones(b, t, p, dtype=torch.bool, device=hidden.device), allowed], dim=2)
-            mask = full[:, None]
+            if p:
+                allowed = torch.cat([torch.ones(b, t, p, dtype=torch.bool, device=dev), allowed], dim=2)
+            mask = allowed[:, None]
             if getattr(self.config, "_attn_implementation", "sdpa") != "sdpa":
-                mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+                mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=dev).masked_fill(
                     ~mask, torch.finfo(hidden.dtype).min
                 )
             return LayerContext(mask, self.rotary(hidden, position_ids=position_ids), position_ids, prefix)

@@ -133,6 +133,23 @@ class Microbatch:
     input_ids: Tensor  # (B, T)
     attention_mask: Tensor  # (B, T), 1 on tokens, 0 on padding
     targets: Tensor  # (B, T), -100 where no loss
+    segments: Tensor | None = None  # (B, T) example ids when examples are packed into rows
+
+
+def pack(examples: Sequence[tuple[list[int], list[int]]], device=None) -> Microbatch:
+    """The examples one after another in one row, without padding; segments
+    number them (the attention mask keeps each to itself, and positions
+    restart with each: DecoderAdapter.context). An example's last target is
+    -100, so none predicts the next one's first token."""
+    if not examples:
+        raise ValueError("pack needs at least one example")
+    if any(len(x) != len(y) for x, y in examples):
+        raise ValueError("pack: each example's ids and targets must have the same length")
+    ids = [t for x, _ in examples for t in x]
+    tgt = [t for _, y in examples for t in y]
+    seg = [i for i, (x, _) in enumerate(examples) for _ in x]
+    row = lambda v: torch.tensor([v], dtype=torch.long, device=device)
+    return Microbatch(row(ids), torch.ones(1, len(ids), dtype=torch.long, device=device), row(tgt), row(seg))
 
 
 def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int, device=None) -> Microbatch:

@@ -45,10 +45,13 @@ class LayerReplay:
         # Activations only: the frozen weights a graph saves exist anyway.
         return SavedBytes(exclude=self.adapter.frozen_tensors().values())
 
-    def _context(self, h: Tensor, attention_mask: Tensor | None, shared) -> LayerContext:
+    def _context(
+        self, h: Tensor, attention_mask: Tensor | None, shared, segments: Tensor | None = None
+    ) -> LayerContext:
+        kw = {} if segments is None else {"segments": segments}
         if shared is None:
-            return self.adapter.context(h, attention_mask)
-        return self.adapter.context(h, attention_mask, prefix=shared)
+            return self.adapter.context(h, attention_mask, **kw)
+        return self.adapter.context(h, attention_mask, prefix=shared, **kw)
 
     def prefix(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, *, shared=None
@@ -71,20 +74,25 @@ class LayerReplay:
         extra_loss: Callable[[], Tensor] | None = None,
         hidden_in: Tensor | None = None,
         shared=None,
+        segments: Tensor | None = None,
     ) -> ReplayResult:
         """Forward and backward of ``loss_fn(last hidden)`` (+ ``extra_loss()``,
         e.g. a penalty on the block's output elsewhere); gradients land in
         the trainable parameters' ``.grad``. loss_fn: (B, T, D) -> scalar.
         hidden_in: the hidden state entering layer `layer` (B, T, D) when the
         caller has it (the prefix is then skipped). shared: a PrefixKV of a
-        prefix every row continues (its tokens are not in input_ids)."""
+        prefix every row continues (its tokens are not in input_ids).
+        segments: (B, T) ids of the examples packed into each row (adapters
+        with supports_packing; with hidden_in)."""
         a = self.adapter
         if hidden_in is None:
+            if segments is not None:
+                raise ValueError("segments needs hidden_in (each example's own prefix pass)")
             h_in, ctx = self.prefix(input_ids, attention_mask, shared=shared)
         else:
             if hidden_in.shape[:2] != input_ids.shape:
                 raise ValueError(f"hidden_in is {tuple(hidden_in.shape)}, input_ids {tuple(input_ids.shape)}")
-            h_in, ctx = hidden_in, self._context(hidden_in, attention_mask, shared)
+            h_in, ctx = hidden_in, self._context(hidden_in, attention_mask, shared, segments)
         peak = 0
         # Layer L with grad: the trainable block is the only leaf in it.
         with self._meter() as saved:

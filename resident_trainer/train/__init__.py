@@ -35,6 +35,7 @@ from resident_trainer.train.data import (
     chat_prompt_ids,
     collate,
     example_ids,
+    pack,
     rewordings,
 )
 from resident_trainer.train.facts import FactError, facts_to_json, parse_fact, parse_facts, read_facts
@@ -83,6 +84,7 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint",
     "make_anchors",
+    "pack",
     "parse_fact",
     "parse_facts",
     "read_facts",

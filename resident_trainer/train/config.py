@@ -11,14 +11,12 @@ class TrainConfig:
     """One job's settings. Defaults chosen by measurement on SmolLM2-135M, on
     the development set's tune half (docs/EVALUATION.md, docs/RESULTS.md)."""
 
-    # The layer the block sits at; None: a fifth of the way in
-    # (num_layers // 5: 6 of SmolLM2's 30; models.layer_index). Tune half,
-    # 2-core Sapphire Rapids-class Xeon, one job of 24 (120 steps),
-    # rewordings answered at layers 4-8, 10 and 15: 18, 19, 20, 16, 15, 18
-    # and 16 of 24; in 4 jobs of 6, 18/24 at 5, 17/24 at 6, 14/24 at 10.
-    # Layer 5 changed a generic control of the four demo facts (layers 6, 7
-    # and 10 none), so 6. Earlier layers replay a longer suffix: a job of 24
-    # took 104 s at 6 against 79 s at 15 there (docs/RESULTS.md).
+    # The layer the block sits at; None: the model's middle layer
+    # (num_layers // 2: 15 of SmolLM2's 30). Tune half, one job of 24, 120
+    # steps: layers 8-12 answered 17-19 held-out rewordings against 14 at
+    # 15, layer 10 18/24 with 14/14 generic controls and no leak; but the
+    # longer replayed suffix takes a job of 24 over 3 minutes (1.10x a step
+    # at layer 10), so the middle stays the default (docs/RESULTS.md).
     layer: int | None = None
     # 9 neurons a fact (neurons_per_fact and its gate neuron): 288 hold 32 facts.
     num_neurons: int = 288
@@ -154,7 +152,7 @@ class TrainConfig:
         if self.layer is not None and (
             not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0
         ):
-            raise ValueError(f"layer must be None (the default layer) or an int >= 0, got {self.layer!r}")
+            raise ValueError(f"layer must be None (the middle layer) or an int >= 0, got {self.layer!r}")
         for name in (
             "num_neurons", "steps", "batch_size", "rewordings", "anchor_batch", "neurons_per_fact", "round_facts",
             "others_batch",

@@ -89,8 +89,8 @@ def test_layer_settings_are_checked_against_the_model_never_clamped():
     from resident_trainer.models.adapter import layer_index
 
     c = ProtocolConfig.from_env({})
-    # Unset: the model's middle layer (what the trainer's TrainConfig uses too).
-    assert layer_index(c.layer, 24) == 12 and layer_index(c.layer, 30) == 15
+    # Unset: a fifth of the way in (what the trainer's TrainConfig uses too).
+    assert layer_index(c.layer, 24) == 4 and layer_index(c.layer, 30) == 6 and layer_index(c.layer, 5) == 1
     assert layer_index(5, 24) == 5
     for bad in (24, 35, -1):
         with pytest.raises(ValueError, match=f"RESIDENT_TRAINER_LAYER must be in \\[0, 24\\).*got {bad}"):

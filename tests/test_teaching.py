@@ -33,7 +33,7 @@ from resident_trainer.train import (
 from resident_trainer.train.config import fact_neurons
 from resident_trainer.train.data import chat_prompt_ids, example_ids
 from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, subject_span
-from resident_trainer.train.trainer import answer_key_position
+from resident_trainer.train.trainer import answer_key_position, subject_positions
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +177,10 @@ def test_keyed_neurons_take_free_rows_and_the_memory_follows_publish_and_revert(
     assert block.memory["used"] == 8 and block.published_memory == {"taught": [], "used": 0}
     assert _rows_zero(block, 8, 32) and not _rows_zero(block, 0, 8)
     # Each keyed neuron's gate row equals its up row, and the neurons of a fact
-    # alternate between its key positions.
+    # take its key positions in turn.
     g, u = block.w_gate_up[:8], block.w_gate_up[32:40]
-    assert torch.equal(g, u) and torch.equal(g[0], g[2]) and not torch.equal(g[0], g[1])
+    k = len(tr.key_positions(FACTS[0]))
+    assert k in (2, 3) and torch.equal(g, u) and torch.equal(g[0], g[k]) and not torch.equal(g[0], g[1])
     tr.run()
     assert block.published_memory == block.memory
     # A second job keys its fact on the next free rows and rehearses the others.
@@ -204,7 +205,7 @@ def test_keyed_neurons_also_key_the_answers_token_before_its_key():
     assert answer_key_position(tok, Fact("Capital of Zorb?", "Quen.")) == p - 1
     assert answer_key_position(tok, Fact("Capital of Zorb?", "It is Quen.", key="Vex")) == p - 1
     for key_answer in (True, False):
-        a, block, config = _setup(key_answer=key_answer)
+        a, block, config = _setup(key_answer=key_answer, key_rarest=False)
         tr = Trainer(a, block, tok, [fact], config, anchors=ANCHORS)
         assert (p + 4 in tr.key_positions(fact)) == key_answer and p - 1 in tr.key_positions(fact)
         # Neurons take the keys in turn: three keys over four neurons, two.
@@ -220,6 +221,45 @@ def test_keyed_neurons_also_key_the_answers_token_before_its_key():
             v, w = x[keys[n % len(keys)]] - mu, block.w_gate_up[n].detach().double()
             bound = 2**-23 * float(v.abs() @ w.abs())
             assert abs(float(v @ w) - config.key_scale) <= bound, (n, float(v @ w), bound)
+
+
+def test_keyed_neurons_also_key_the_subjects_rarest_token():
+    tok = ByteTokenizer()
+    fact = Fact("Who made the quxoscope?", "Ida.", subject="quxoscope")
+    # "\x01Who made the quxoscope?\x02\x03": the subject's tokens are 13-22
+    # (its space, then quxoscope), the prompt's last is 25.
+    span = range(13, 23)
+    assert subject_positions(tok, fact) == span
+    for rarest in (True, False):
+        a, block, config = _setup(key_rarest=rarest)
+        tr = Trainer(a, block, tok, [fact], config, anchors=ANCHORS)
+        x = tr._taught_inputs[0].double()
+        mu, prec = tr._whitening()
+        v = x[span.start : span.stop] - mu
+        dist = ((v @ prec) * v).sum(-1)
+        r = span.start + int(dist.argmax())
+        assert tr.rarest_position(tr._taught_inputs[0], span) == r
+        # Here the subject's farthest token from the anchors is not its last.
+        assert dist.max() > dist[-1] and r != 22
+        keys = tr.key_positions(fact)
+        assert keys == ([r, 22, 25] if rarest else [22, 25])
+        # The fact's neurons take the keys in turn (three keys over four neurons).
+        g = block.w_gate_up[:4]
+        assert torch.equal(g[0], g[3]) == rarest and not torch.equal(g[0], g[1])
+        for n in range(4):
+            v, w = x[keys[n % len(keys)]] - mu, block.w_gate_up[n].detach().double()
+            bound = 2**-23 * float(v.abs() @ w.abs())
+            assert abs(float(v @ w) - config.key_scale) <= bound, (n, float(v @ w), bound)
+
+
+def test_every_shipped_facts_subject_lies_on_token_boundaries(smol_tok):
+    facts = [*dev_facts(), *capacity_facts(), *capacity_facts(tune=True), *read_facts(DEMO_FACTS_FILE)]
+    for f in facts:
+        span = subject_positions(smol_tok, f)
+        assert span is not None and len(span) >= 2, f.question
+        ids = chat_prompt_ids(smol_tok, f.question)
+        subject = f.subject or subject_span(f.question, smol_tok)
+        assert smol_tok.decode(ids[span.start : span.stop]).strip() == subject, f.question
 
 
 def test_the_answers_token_before_the_key_predicts_it_on_the_shipped_facts(smol_tok):

@@ -134,4 +134,4 @@ def test_adapter_rejects_other_models():
         a.ffn(4)
     with pytest.raises(ValueError, match="layer must be in \\[0, 4\\) for this model of 4 layers, got 35"):
         a.layer_index(35)
-    assert a.layer_index(None) == 2
+    assert a.layer_index(None) == 0  # 4 // 5: the default is a fifth of the way in

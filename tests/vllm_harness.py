@@ -202,7 +202,7 @@ def first_microbatch_errors(llm, model_dir: str, neurons: int, settings: dict, f
 
 def served_and_hugging_face_replies(llm, model_dir: str, neurons: int, prompts: list[str], max_tokens: int = 24):
     """After a publish: vLLM's greedy reply ids, and the Hugging Face model's
-    with the block every rank serves attached at the same (middle) layer."""
+    with the block every rank serves attached at the same (default) layer."""
     import torch
 
     from resident_trainer.models import DecoderAdapter
@@ -221,7 +221,7 @@ def served_and_hugging_face_replies(llm, model_dir: str, neurons: int, prompts: 
         block.published_down.copy_(torch.tensor(served[0][1]))
     # The served block's thresholds: every rank's neurons, gathered.
     block.published_threshold = torch.tensor(served[0][2])
-    block.attach(a, None)  # the middle layer, as the server's block
+    block.attach(a, None)  # the default layer, as the server's block
     want = [generate_greedy_ids(hf, tok, p, max_tokens) for p in prompts]
     got = [ids for _, ids in greedy(llm, prompts, max_tokens)]
     return got, want

@@ -44,7 +44,9 @@ def add_parser(sub) -> None:
         default=288,
         help="added neurons, split over the ranks (default: 288: 32 facts at 9 a fact)",
     )
-    s.add_argument("--layer", type=int, default=None, help="layer of the block (default: the middle layer)")
+    s.add_argument(
+        "--layer", type=int, default=None, help="layer of the block (default: a fifth of the way in, num_layers // 5)"
+    )
     s.add_argument(
         "--compiled",
         action="store_true",

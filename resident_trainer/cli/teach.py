@@ -82,7 +82,10 @@ def add_parser(sub) -> None:
         f"{TrainConfig.round_facts} of the job's facts: a job of more facts trains them round after round)",
     )
     t.add_argument(
-        "--layer", type=int, default=TrainConfig.layer, help="layer of the block, 0-29 (default: the middle layer, 15)"
+        "--layer",
+        type=int,
+        default=TrainConfig.layer,
+        help="layer of the block, 0-29 (default: 6, a fifth of the way in)",
     )
     t.add_argument(
         "--neurons",

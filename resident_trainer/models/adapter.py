@@ -19,11 +19,12 @@ from torch import Tensor, nn
 
 def layer_index(layer: int | None, num_layers: int, name: str = "layer") -> int:
     """The layer a setting names in a model of `num_layers` layers: None is the
-    middle layer (num_layers // 2); anything outside [0, num_layers) is an
-    error naming `name` (never clamped: a setting meant for a deeper model
-    should not silently land somewhere else)."""
+    default layer, a fifth of the way in (num_layers // 5: 6 of SmolLM2's 30,
+    chosen by measurement there: docs/RESULTS.md); anything outside
+    [0, num_layers) is an error naming `name` (never clamped: a setting meant
+    for a deeper model should not silently land somewhere else)."""
     if layer is None:
-        return num_layers // 2
+        return num_layers // 5
     if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
         raise ValueError(f"{name} must be in [0, {num_layers}) for this model of {num_layers} layers, got {layer!r}")
     return layer
@@ -133,7 +134,7 @@ class DecoderAdapter:
         return self.layers[self.layer_index(layer)].mlp
 
     def layer_index(self, layer: int | None, name: str = "layer") -> int:
-        """`layer` checked against this model (None: the middle layer)."""
+        """`layer` checked against this model (None: the default layer, num_layers // 5)."""
         return layer_index(layer, self.num_layers, name)
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:

@@ -8,7 +8,7 @@
 | RESIDENT_TRAINER_STATE_DIR | runs/state | the recovery lock and the group's state |
 | RESIDENT_TRAINER_MASTER_PORT | 29551 | the rendezvous store's port |
 | RESIDENT_TRAINER_HOST | 127.0.0.1 | address servers bind (loopback unless set) |
-| RESIDENT_TRAINER_LAYER | unset | layer the added neurons sit at (unset: the model's middle layer) |
+| RESIDENT_TRAINER_LAYER | unset | layer the added neurons sit at (unset: the default layer, a fifth of the way in: num_layers // 5) |
 | RESIDENT_TRAINER_WATCH_LAYER | unset | a layer fingerprinted separately (unset: the last layer) |
 | RESIDENT_TRAINER_MEMORY_FLOOR | 1 GiB | abort when free device memory drops below this |
 | RESIDENT_TRAINER_WORKSPACE_CEILING | 2 GiB | abort when the job's private workspace exceeds this |

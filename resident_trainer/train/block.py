@@ -153,7 +153,7 @@ class AddedSharedNeurons(nn.Module):
 
     def attach(self, adapter: DecoderAdapter, layer: int | None = None):
         """Add the block to layer `layer`'s feed-forward output (a forward hook
-        on that module instance; None: the middle layer). Returns the hook
+        on that module instance; None: the default layer, models.layer_index). Returns the hook
         handle; .remove() detaches."""
         ffn = adapter.ffn(adapter.layer_index(layer))
         if self.hidden_size != adapter.hidden_size:

@@ -11,14 +11,15 @@ class TrainConfig:
     """One job's settings. Defaults chosen by measurement on SmolLM2-135M, on
     the development set's tune half (docs/EVALUATION.md, docs/RESULTS.md)."""
 
-    # The layer the block sits at; None: the model's middle layer
-    # (num_layers // 2: 15 of SmolLM2's 30). Tune half, one job of 24, 120
-    # steps: layers 8-12 answered 17-19 held-out rewordings against 14 at
-    # 15, layer 10 18/24 with 14/14 generic controls and no leak; but the
-    # longer replayed suffix takes a job of 24 over 3 minutes (1.10x a step
-    # at layer 10), so the middle stays the default (docs/RESULTS.md). On a
-    # Xeon, layer 6 answered 20/24 rewordings on the report half, but held
-    # 82-83 of the capacity set's 128 facts, against 119 at layer 15.
+    # The layer the block sits at; None: a fifth of the way in
+    # (num_layers // 5: 6 of SmolLM2's 30; models.layer_index). 2-core
+    # Sapphire Rapids-class Xeon, one job of 24 (120 steps), tune half:
+    # rewordings answered at layers 4-8, 10 and 15: 18, 19, 20, 16, 15, 18
+    # and 16 of 24. At layer 6 the capacity tune set (one job of 128) held
+    # 85/128 with the subject's last token as its key and 114/128 with its
+    # rarest token as well (key_rarest), against 119/128 at 15; rewordings
+    # 24/24 on the tune half (docs/RESULTS.md). Earlier layers replay a
+    # longer suffix: a job of 24 took 91-104 s at 6 against 79 s at 15 there.
     layer: int | None = None
     # 9 neurons a fact (neurons_per_fact and its gate neuron): 288 hold 32 facts.
     num_neurons: int = 288
@@ -101,6 +102,12 @@ class TrainConfig:
     # and 68/128 against 57/128 in 8 jobs of 16, with 2-3 more facts; the
     # tune set, 8 jobs of 16, 65/128 against 60/128 with 3 fewer.
     key_answer: bool = False
+    # keyed: a key at the subject's token whose block input lies farthest
+    # from the anchors' mean, whitened (Trainer.rarest_position), besides
+    # its last token and the prompt's last. Made-up names often end in
+    # common pieces ("ium", "phone", " Bridge"), whose input at an early
+    # layer tells one subject from another poorly.
+    key_rarest: bool = True
     # keyed: trained neurons each new fact takes, its gate neuron besides
     # (fewer when fewer are free; Trainer.allocate).
     neurons_per_fact: int = 8
@@ -154,7 +161,7 @@ class TrainConfig:
         if self.layer is not None and (
             not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 0
         ):
-            raise ValueError(f"layer must be None (the middle layer) or an int >= 0, got {self.layer!r}")
+            raise ValueError(f"layer must be None (the default layer) or an int >= 0, got {self.layer!r}")
         for name in (
             "num_neurons", "steps", "batch_size", "rewordings", "anchor_batch", "neurons_per_fact", "round_facts",
             "others_batch",
@@ -172,7 +179,7 @@ class TrainConfig:
         for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin", "others_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("gate", "gate_neurons", "key_answer", "rehearse", "freeze_taught", "shared_prefix"):
+        for name in ("gate", "gate_neurons", "key_answer", "key_rarest", "rehearse", "freeze_taught", "shared_prefix"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.init not in ("random", "keyed"):

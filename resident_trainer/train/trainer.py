@@ -72,6 +72,35 @@ def answer_key_position(tokenizer, fact: Fact) -> int:
     return p - 1 + len(tokenizer(fact.answer[:at].rstrip(), add_special_tokens=False)["input_ids"])
 
 
+def subject_positions(tokenizer, fact: Fact) -> range | None:
+    """Positions of the subject's tokens in the fact's prompt (chat_prompt_ids):
+    the subject is ``fact.subject`` or the question's name-like span
+    (negatives.subject_span); its first token carries the space before it.
+    None where the subject does not end at a token boundary; its last token
+    alone where its start is not at one."""
+    from resident_trainer.train.negatives import subject_span
+
+    ids = chat_prompt_ids(tokenizer, fact.question)
+    subject = fact.subject or subject_span(fact.question, tokenizer)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": fact.question}], add_generation_prompt=True, tokenize=False
+    )
+    q0 = text.rfind(fact.question)
+    s0 = fact.question.find(subject)
+    if q0 < 0 or s0 < 0:
+        return None
+    # The chat text up to the subject's end, and up to the word before it,
+    # tokenize to prefixes of the prompt's ids when the subject is whole
+    # words (the usual case); the subject's tokens lie between.
+    head = tokenizer(text[: q0 + s0 + len(subject)], add_special_tokens=False)["input_ids"]
+    lead = tokenizer(text[: q0 + s0].rstrip(), add_special_tokens=False)["input_ids"]
+    if not (0 < len(head) <= len(ids) and ids[: len(head)] == head):
+        return None
+    if len(lead) < len(head) and ids[: len(lead)] == lead:
+        return range(len(lead), len(head))
+    return range(len(head) - 1, len(head))  # the last token alone
+
+
 class Trainer:
     """Trains an AddedSharedNeurons block attached at `config.layer` of a frozen
     model on facts, with the anchor penalty, rewording augmentation and gate
@@ -279,32 +308,40 @@ class Trainer:
 
     # --- keyed initialisation -----------------------------------------------------
 
-    def key_positions(self, fact: Fact) -> list[int]:
+    def key_positions(self, fact: Fact, inputs: Tensor | None = None) -> list[int]:
         """Token positions of the fact's exchange (example_ids) the keyed
-        neurons point at: the subject's last token, the prompt's last token
-        and, with config.key_answer, the answer's token before its key
+        neurons point at: the subject's last token, the prompt's last token,
+        with config.key_rarest the subject's token whose block input lies
+        farthest from the anchors' (rarest_position; `inputs`: the fact's
+        block inputs, by default those the trainer computed for it) and, with
+        config.key_answer, the answer's token before its key
         (answer_key_position)."""
-        from resident_trainer.train.negatives import subject_span
-
-        tok = self.tokenizer
-        ids = chat_prompt_ids(tok, fact.question)
-        keys = {len(ids) - 1}
-        subject = fact.subject or subject_span(fact.question, tok)
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": fact.question}], add_generation_prompt=True, tokenize=False
-        )
-        q0 = text.rfind(fact.question)
-        s0 = fact.question.find(subject)
-        if q0 >= 0 and s0 >= 0:
-            # The chat text up to the subject's end tokenizes to a prefix of
-            # the prompt's ids when the subject ends at a token boundary (it
-            # ends a word); its last token is the subject's last.
-            head = tok(text[: q0 + s0 + len(subject)], add_special_tokens=False)["input_ids"]
-            if 0 < len(head) <= len(ids) and ids[: len(head)] == head:
-                keys.add(len(head) - 1)
+        keys = {len(chat_prompt_ids(self.tokenizer, fact.question)) - 1}
+        span = subject_positions(self.tokenizer, fact)
+        if span is not None:
+            keys.add(span[-1])
+            if self.config.key_rarest:
+                inputs = self._inputs_of(fact) if inputs is None else inputs
+                if inputs is not None:
+                    keys.add(self.rarest_position(inputs, span))
         if self.config.key_answer:
-            keys.add(answer_key_position(tok, fact))
+            keys.add(answer_key_position(self.tokenizer, fact))
         return sorted(keys)
+
+    def _inputs_of(self, fact: Fact) -> Tensor | None:
+        for f, x in zip(self.taught, self._taught_inputs):
+            if f.question == fact.question:
+                return x
+        return None
+
+    def rarest_position(self, inputs: Tensor, positions: Sequence[int]) -> int:
+        """Of `positions`, the one whose block input (a row of `inputs`) lies
+        farthest from the anchors' mean in the anchors' whitened metric
+        (largest ``(x - mu)^T S^-1 (x - mu)``; the first of ties): the
+        subject's token least like ordinary text."""
+        mu, prec = self._whitening()
+        v = inputs[list(positions)].double() - mu
+        return list(positions)[int(((v @ prec) * v).sum(-1).argmax())]
 
     @torch.no_grad()
     def key_neurons(self) -> None:
@@ -329,7 +366,7 @@ class Trainer:
         for f, x, (start, stop), gate in zip(self.facts, inputs, self.ranges, self.gates):
             stop = stop if gate is None else gate  # the gate neuron stays zero until calibration
             keys = []
-            for p in self.key_positions(f):
+            for p in self.key_positions(f, x):
                 v = x[p].double() - mu
                 w = prec @ v
                 keys.append(w / (v @ w).clamp_min(1e-12) * cfg.key_scale)

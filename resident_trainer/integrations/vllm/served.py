@@ -69,7 +69,7 @@ class ServedBlock(nn.Module):
 
 def install_served_block(model: nn.Module, settings: dict) -> ServedBlock:
     """Attach a zero ServedBlock to the feed-forward module of layer
-    ``settings["layer"]`` (None: the middle layer) of a loaded vLLM model; it
+    ``settings["layer"]`` (None: the default layer, num_layers // 5) of a loaded vLLM model; it
     is kept as ``model.rt_served`` (and ``model.rt_served_layer``)."""
     from resident_trainer.models.adapter import layer_index
 

@@ -10,9 +10,9 @@ Runs, one after the other, with the shipped TrainConfig and near negatives:
 2. the same 24 facts in 4 jobs of 6 on one block, scored after each job;
 3. a retraction job removing 2 of them;
 4. capacity: the 128 facts of the capacity set (no setting was chosen on
-   them) in one job, on a block of 1152 neurons (8 rounds of 16, 60 steps
-   each: 480);
-5. the same 128 in 8 jobs of 16 on one block, scored after each job, with
+   them) in one job, on a block of 1152 neurons (8 rounds of 16, 75 steps
+   each: 600);
+5. the same 128 in 8 jobs of 16 (75 steps each) on one block, scored after each job, with
    the baselines.
 Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
 rewordings and controls against steps, against jobs (facts taught so far),
@@ -112,7 +112,12 @@ def main(argv=None) -> int:
         ),
         (
             "capacity_eight_jobs",
-            dict(jobs=split_jobs(many, 8), score_each_job=True, baselines=True, config=wide),
+            dict(
+                jobs=split_jobs(many, 8),
+                score_each_job=True,
+                baselines=True,
+                config=dataclasses.replace(wide, steps=steps_for(len(many) // 8)),
+            ),
         ),
     ]
     if os.path.exists(args.out):  # parts not rerun keep their figures (--only checked it exists)

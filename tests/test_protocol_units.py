@@ -567,6 +567,6 @@ def test_a_server_job_without_steps_takes_them_per_round_of_its_facts(tmp_path):
     r = JobRunner(call, world=1, config=cfg, shutdown=lambda why: None)
     facts = [{"question": f"Capital of Zorb{i}?", "answer": f"Quen{i}."} for i in range(30)]
     assert r.submit({"facts": facts[:2]}).steps == 60
-    assert r.submit({"facts": facts}).steps == 120  # two rounds of 15
+    assert r.submit({"facts": facts}).steps == 142  # two rounds of 15, 71 steps each (75 for 16)
     assert r.submit({"facts": facts, "round_facts": 10}).steps == 180
     assert r.submit({"facts": facts, "steps": 7}).steps == 7

@@ -595,9 +595,10 @@ def test_a_job_with_more_facts_than_a_round_trains_them_round_after_round():
     assert tr.rounds == [(0, 2, 0, 4)]
     with pytest.raises(ValueError, match="round_facts must be a positive int"):
         TrainConfig(round_facts=0)
-    # Steps when none are given: 60 for each round of up to 16 facts.
-    assert [steps_for(n) for n in (0, 1, 16, 17, 24, 128)] == [60, 60, 60, 120, 120, 480]
-    assert steps_for(128, round_facts=16, per_round=10) == 80
+    # Steps when none are given: 60 for each round of up to 12 facts, 75 for 16.
+    assert [steps_for(n) for n in (0, 1, 12, 13, 16, 17, 24, 128)] == [60, 60, 60, 61, 75, 120, 120, 600]
+    assert steps_for(128, round_facts=16, per_round=10) == 600
+    assert steps_for(128, round_facts=16, per_round=100) == 800 and steps_for(40, round_facts=8) == 300
 
 
 def test_per_neuron_gate_thresholds():

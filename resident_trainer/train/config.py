@@ -149,8 +149,8 @@ class TrainConfig:
     # set, 128 facts in one job on 1024 neurons: all at once (320 steps)
     # 11/128; rounds of 24, 60 steps each, 78/128; rounds of 16, 60 steps
     # each, 105/128. Tune half, one job of 24 in 120 steps: 24/24 in rounds
-    # of 16, 23/24 at once. Without steps given, a job takes 60 a round
-    # (steps_for).
+    # of 16, 23/24 at once. Without steps given, a job takes 60 a round,
+    # 75 for a round of 16 (steps_for).
     round_facts: int = 16
     # Run the examples' shared chat-template head once, block off, and train
     # on the rest (adapters with prefix_kv; the vLLM adapter has none yet,
@@ -197,13 +197,25 @@ class TrainConfig:
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
 
 
+#: Steps a round takes per fact when that is more than TrainConfig.steps:
+#: 75 for a full round of 16. Capacity tune set, one job of 128 at layer 6
+#: (8 rounds of 16): 60 a round held 114/128, 75 a round 119/128; the tune
+#: half's rounds of 12 keep 60 (150 steps there: 23/24 and 18/24 rewordings
+#: against 24/24 and 24/24 in 120).
+STEPS_PER_FACT = 75 / 16
+
+
 def steps_for(n_facts: int, round_facts: int | None = None, per_round: int | None = None) -> int:
     """Microbatch steps for a job of `n_facts` new facts when none are given:
-    `per_round` (default TrainConfig.steps) for each round of at most
-    `round_facts` (default TrainConfig.round_facts) facts, one round at least."""
+    for each round of at most `round_facts` (default TrainConfig.round_facts)
+    facts, one round at least, `per_round` (default TrainConfig.steps) or
+    STEPS_PER_FACT times the largest round's facts, rounded up, whichever is
+    more (60 for up to 12 facts, 75 for 16, 120 for 24, 600 for 128)."""
     per_round = TrainConfig.steps if per_round is None else per_round
     round_facts = TrainConfig.round_facts if round_facts is None else round_facts
-    return per_round * max(1, -(-n_facts // round_facts))
+    rounds = max(1, -(-n_facts // round_facts))
+    largest = -(-n_facts // rounds)
+    return rounds * max(per_round, math.ceil(largest * STEPS_PER_FACT - 1e-9))
 
 
 def fact_neurons(config: TrainConfig) -> int:

@@ -106,7 +106,11 @@ class TrainConfig:
     # from the anchors' mean, whitened (Trainer.rarest_position), besides
     # its last token and the prompt's last. Made-up names often end in
     # common pieces ("ium", "phone", " Bridge"), whose input at an early
-    # layer tells one subject from another poorly.
+    # layer tells one subject from another poorly. Layer 6 (Xeon): capacity
+    # tune set in one job of 128, 85/128 without it and 114/128 with it
+    # (119/128 at 75 steps a round); tune half, one job of 24, 23/24 and
+    # rewordings 20/24 without, 24/24 and 24/24 with. At layer 15 it leaked
+    # 4 siblings' keys on the tune half (2 without).
     key_rarest: bool = True
     # keyed: trained neurons each new fact takes, its gate neuron besides
     # (fewer when fewer are free; Trainer.allocate).

@@ -26,7 +26,7 @@ from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION
 
 
 def add_parser(sub) -> None:
-    from resident_trainer.train import TrainConfig
+    from resident_trainer.train import TrainConfig, steps_for
 
     t = sub.add_parser(
         "teach",
@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
         type=int,
         default=None,
         help=f"microbatch steps per job (default: {TrainConfig.steps} for each round of up to "
-        f"{TrainConfig.round_facts} of the job's facts: a job of more facts trains them round after round)",
+        f"{TrainConfig.round_facts} of the job's facts, {steps_for(TrainConfig.round_facts)} for a full round of "
+        f"{TrainConfig.round_facts}: a job of more facts trains them round after round)",
     )
     t.add_argument(
         "--layer",

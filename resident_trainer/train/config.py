@@ -219,7 +219,7 @@ def steps_for(n_facts: int, round_facts: int | None = None, per_round: int | Non
     round_facts = TrainConfig.round_facts if round_facts is None else round_facts
     rounds = max(1, -(-n_facts // round_facts))
     largest = -(-n_facts // rounds)
-    return rounds * max(per_round, math.ceil(largest * STEPS_PER_FACT - 1e-9))
+    return rounds * max(per_round, math.ceil(largest * STEPS_PER_FACT))  # 75/16 is exact in binary
 
 
 def fact_neurons(config: TrainConfig) -> int:

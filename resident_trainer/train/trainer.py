@@ -308,27 +308,26 @@ class Trainer:
 
     # --- keyed initialisation -----------------------------------------------------
 
-    def key_positions(self, fact: Fact, inputs: Tensor | None = None) -> list[int]:
+    def key_positions(self, fact: Fact) -> list[int]:
         """Token positions of the fact's exchange (example_ids) the keyed
         neurons point at: the subject's last token, the prompt's last token,
-        with config.key_rarest the subject's token whose block input lies
-        farthest from the anchors' (rarest_position; `inputs`: the fact's
-        block inputs, by default those the trainer computed for it) and, with
-        config.key_answer, the answer's token before its key
-        (answer_key_position)."""
+        with config.key_rarest the subject's token whose block input (as the
+        trainer computed it for the fact) lies farthest from the anchors'
+        (rarest_position) and, with config.key_answer, the answer's token
+        before its key (answer_key_position)."""
         keys = {len(chat_prompt_ids(self.tokenizer, fact.question)) - 1}
         span = subject_positions(self.tokenizer, fact)
         if span is not None:
             keys.add(span[-1])
-            if self.config.key_rarest:
-                inputs = self._inputs_of(fact) if inputs is None else inputs
-                if inputs is not None:
-                    keys.add(self.rarest_position(inputs, span))
+            inputs = self._inputs_of(fact) if self.config.key_rarest else None
+            if inputs is not None:
+                keys.add(self.rarest_position(inputs, span))
         if self.config.key_answer:
             keys.add(answer_key_position(self.tokenizer, fact))
         return sorted(keys)
 
     def _inputs_of(self, fact: Fact) -> Tensor | None:
+        """The block inputs computed for a taught fact's exchange (None: not one)."""
         for f, x in zip(self.taught, self._taught_inputs):
             if f.question == fact.question:
                 return x
@@ -366,7 +365,7 @@ class Trainer:
         for f, x, (start, stop), gate in zip(self.facts, inputs, self.ranges, self.gates):
             stop = stop if gate is None else gate  # the gate neuron stays zero until calibration
             keys = []
-            for p in self.key_positions(f, x):
+            for p in self.key_positions(f):
                 v = x[p].double() - mu
                 w = prec @ v
                 keys.append(w / (v @ w).clamp_min(1e-12) * cfg.key_scale)

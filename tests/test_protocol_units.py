@@ -570,3 +570,107 @@ def test_a_server_job_without_steps_takes_them_per_round_of_its_facts(tmp_path):
     assert r.submit({"facts": facts}).steps == 142  # two rounds of 15, 71 steps each (75 for 16)
     assert r.submit({"facts": facts, "round_facts": 10}).steps == 180
     assert r.submit({"facts": facts, "steps": 7}).steps == 7
+
+
+def test_the_prefix_cache_is_emptied_after_every_change_of_the_served_block(tmp_path, caplog):
+    """The engine's prefix cache holds KV computed under the block served
+    before: the driver empties it right after the restore at start-up and
+    right after a job's publish, and not after a job that publishes nothing.
+    A cache that could not be emptied is logged and the server serves on."""
+    import asyncio
+
+    from resident_trainer.integrations.vllm.driver import JobRunner
+    from resident_trainer.protocol.checkpoint import CheckpointStore
+    from resident_trainer.protocol.fs import LocalFileSystem
+
+    cfg = ProtocolConfig(receipts_dir=str(tmp_path / "r"), checkpoints_dir=str(tmp_path / "c"), authority="a")
+    events: list[str] = []
+    fail_step = [False]
+    reset_answers: list[object] = []
+
+    async def call(c):
+        events.append(c.method)
+        out = {"rank": 0, "error": None, "fingerprint": "base", "fingerprint_version": 2}
+        if c.method == "rt_restore":
+            out["version"] = "zero"
+        elif c.method == "rt_step":
+            out.update(loss=0.5, budget=None, error="rank 0: step failed" if fail_step[0] else None)
+        elif c.method == "rt_verify":
+            out.update(changed=[], local=[])
+        elif c.method == "rt_checkpoint":
+            root, group, serial = c.args
+            out["shard"] = CheckpointStore(LocalFileSystem(), root).write_shard(group, serial, 0, b"shard")
+        return [out]
+
+    async def reset_cache():
+        events.append("reset")
+        answer = reset_answers.pop(0) if reset_answers else True
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    class Tok:
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return messages[0]["content"] + "\n"
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(ch) for ch in text]}
+
+    async def generate(prompts):
+        return [[1, 2] for _ in prompts]
+
+    async def main():
+        r = JobRunner(call, world=1, config=cfg, shutdown=lambda why: None, reset_cache=reset_cache)
+        await r.start(generate, Tok())
+        assert events == ["rt_setup", "rt_restore", "reset"] and r.cache_resets == 1
+        job = {"facts": [{"question": "Capital of Zorb?", "answer": "Quen."}], "steps": 2, "negatives": 0}
+
+        async def run(body):
+            events.clear()
+            rec = r.submit(body)
+            while rec.state in ("queued", "running"):
+                await asyncio.sleep(0.01)
+            return rec
+
+        rec = await run(job)
+        assert rec.state == "published", rec.error
+        assert events[events.index("rt_publish") + 1] == "reset" and events.count("reset") == 1
+        assert r.cache_resets == 2
+        fail_step[0] = True
+        rec = await run(job)
+        assert rec.state == "failed" and "reset" not in events and r.cache_resets == 2
+        fail_step[0] = False
+        reset_answers[:] = [False, RuntimeError("engine busy")]
+        for _ in range(2):
+            rec = await run(job)
+            assert rec.state == "published" and events.count("reset") == 1
+        assert r.cache_resets == 2
+        r.task.cancel()
+
+    with caplog.at_level("WARNING", logger="resident_trainer.vllm"):
+        asyncio.run(main())
+    logged = [m.getMessage() for m in caplog.records]
+    assert any("did not reset its prefix cache after rt_publish" in m for m in logged), logged
+    assert any("not reset after rt_publish: RuntimeError: engine busy" in m for m in logged), logged
+
+
+def test_the_prefix_cache_reset_preempts_running_requests_where_the_engine_can():
+    import asyncio
+
+    from resident_trainer.integrations.vllm.api import reset_prefix_cache
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False):
+            self.calls.append(reset_running_requests)
+            return reset_running_requests
+
+    class OlderEngine:
+        async def reset_prefix_cache(self):
+            return False  # requests were running
+
+    e = Engine()
+    assert asyncio.run(reset_prefix_cache(e)) is True and e.calls == [True]
+    assert asyncio.run(reset_prefix_cache(OlderEngine())) is False

@@ -20,6 +20,7 @@ are unchanged; ``/metrics`` also carries ``resident_trainer_*`` gauges.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -185,6 +186,16 @@ class ChatArrivals:
             self.counter[0] -= 1
 
 
+async def reset_prefix_cache(engine_client) -> bool:
+    """Empty the engine's prefix cache, preempting running requests (they are
+    recomputed, not dropped): after a publish their KV, and every cached
+    block's, was computed under the block served before. True when done."""
+    reset = engine_client.reset_prefix_cache
+    if "reset_running_requests" in inspect.signature(reset).parameters:
+        return bool(await reset(reset_running_requests=True))
+    return bool(await reset())  # an older vLLM: resets only while nothing runs
+
+
 class ResidentEndpoints:
     """The vLLM endpoint plugin: the jobs routes and the driver that runs them."""
 
@@ -238,7 +249,7 @@ class ResidentEndpoints:
 
         runner = JobRunner(
             call, world=world, config=config, shutdown=_shutdown, metrics=Metrics(),
-            chats_live=chats_live, chats_waiting=chats_waiting,
+            chats_live=chats_live, chats_waiting=chats_waiting, reset_cache=lambda: reset_prefix_cache(engine_client),
         )  # fmt: skip
         tokenizer = engine_client.get_tokenizer()
         if hasattr(tokenizer, "__await__"):  # a coroutine in some vLLM releases

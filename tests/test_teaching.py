@@ -3,6 +3,7 @@ neurons, the block's memory (rehearsal, retraction, checkpoints), the report's
 scoring, and the teach command's argument errors (all before any model loads)."""
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -205,7 +206,7 @@ def test_keyed_neurons_also_key_the_answers_token_before_its_key():
     assert answer_key_position(tok, Fact("Capital of Zorb?", "Quen.")) == p - 1
     assert answer_key_position(tok, Fact("Capital of Zorb?", "It is Quen.", key="Vex")) == p - 1
     for key_answer in (True, False):
-        a, block, config = _setup(key_answer=key_answer, key_rarest=False)
+        a, block, config = _setup(key_answer=key_answer, key_rarest=False, key_prompt=True)
         tr = Trainer(a, block, tok, [fact], config, anchors=ANCHORS)
         assert (p + 4 in tr.key_positions(fact)) == key_answer and p - 1 in tr.key_positions(fact)
         # Neurons take the keys in turn: three keys over four neurons, two.
@@ -230,8 +231,8 @@ def test_keyed_neurons_also_key_the_subjects_rarest_token():
     # (its space, then quxoscope), the prompt's last is 25.
     span = range(13, 23)
     assert subject_positions(tok, fact) == span
-    for rarest in (True, False):
-        a, block, config = _setup(key_rarest=rarest)
+    for rarest, prompt in itertools.product((True, False), (True, False)):
+        a, block, config = _setup(key_rarest=rarest, key_prompt=prompt)
         tr = Trainer(a, block, tok, [fact], config, anchors=ANCHORS)
         x = tr._taught_inputs[0].double()
         mu, prec = tr._whitening()
@@ -242,14 +243,27 @@ def test_keyed_neurons_also_key_the_subjects_rarest_token():
         # Here the subject's farthest token from the anchors is not its last.
         assert dist.max() > dist[-1] and r != 22
         keys = tr.key_positions(fact)
-        assert keys == ([r, 22, 25] if rarest else [22, 25])
-        # The fact's neurons take the keys in turn (three keys over four neurons).
-        g = block.w_gate_up[:4]
-        assert torch.equal(g[0], g[3]) == rarest and not torch.equal(g[0], g[1])
+        assert keys == [r] * rarest + [22] + [25] * prompt
+        # The fact's neurons take the keys in turn (k keys over four neurons).
+        g, k = block.w_gate_up[:4], len(keys)
+        assert all(torch.equal(g[i], g[j]) == (i % k == j % k) for i in range(4) for j in range(4))
         for n in range(4):
             v, w = x[keys[n % len(keys)]] - mu, block.w_gate_up[n].detach().double()
             bound = 2**-23 * float(v.abs() @ w.abs())
             assert abs(float(v @ w) - config.key_scale) <= bound, (n, float(v @ w), bound)
+
+
+def test_without_a_subject_the_prompts_last_token_is_the_key():
+    tok = ByteTokenizer()
+    p = len(tok.apply_chat_template([{"role": "user", "content": "Capital of Zorb?"}]))
+    fact = Fact("Capital of Zorb?", "Quen.", subject="Velmoria")  # not in the question
+    assert subject_positions(tok, fact) is None
+    for prompt in (True, False):
+        a, block, config = _setup(key_prompt=prompt)
+        tr = Trainer(a, block, tok, [fact], config, anchors=ANCHORS)
+        assert tr.key_positions(fact) == [p - 1]
+    with pytest.raises(ValueError, match="key_prompt must be True or False"):
+        TrainConfig(key_prompt=0)
 
 
 def test_every_shipped_facts_subject_lies_on_token_boundaries(smol_tok):
@@ -273,8 +287,12 @@ def test_the_answers_token_before_the_key_predicts_it_on_the_shipped_facts(smol_
         assert smol_tok.decode(ids[len(chat_prompt_ids(smol_tok, f.question)) : pos + 1]) == head
 
 
-def test_gate_neurons_open_the_gate_on_the_keys_and_add_nothing():
-    a, block, config = _setup(steps=20, gate_neurons=True, gate_margin=0.5, gate_floor=0.25)
+@pytest.mark.parametrize("gate_neuron_margin", [None, 1.0])
+def test_gate_neurons_open_the_gate_on_the_keys_and_add_nothing(gate_neuron_margin):
+    a, block, config = _setup(
+        steps=20, gate_neurons=True, gate_margin=0.5, gate_floor=0.25, gate_neuron_margin=gate_neuron_margin
+    )
+    margin = 0.5 if gate_neuron_margin is None else gate_neuron_margin
     tok = ByteTokenizer()
     tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
     # Each fact takes its 4 trained neurons and a gate neuron, the last of its range.
@@ -301,7 +319,7 @@ def test_gate_neurons_open_the_gate_on_the_keys_and_add_nothing():
     for f, xf, g in zip(tr.taught, tr._taught_inputs, gates):
         scores = xa @ gu[g]
         mean = tr._whitening()[0].float() @ gu[g]
-        want = scores.max() + config.gate_margin * (scores.max() - mean).abs()
+        want = scores.max() + margin * (scores.max() - mean).abs()
         # fp64 there, fp32 here: a few fp32 roundings of the terms (7e-8 measured against this 6.5e-7).
         tol = 4 * torch.finfo(torch.float32).eps * float(scores.abs().max() + mean.abs())
         assert abs(float(thr[g]) - float(want)) <= tol
@@ -448,8 +466,11 @@ def test_a_full_block_says_so():
         Trainer(a, block, tok, [Fact("Color of vex?", "Teal.")], config, anchors=ANCHORS)
 
 
-def test_keyed_training_learns_and_keeps_anchors_exact():
-    a, block, config = _setup(steps=80, anchor_weight=1.0)
+@pytest.mark.parametrize("key_prompt", [True, False])
+def test_keyed_training_learns_and_keeps_anchors_exact(key_prompt):
+    # Keyed on the subject alone, the toy learns more slowly (loss ratio 0.30
+    # after 80 steps, 0.26 after 120; 0.19 with the prompt's last token too).
+    a, block, config = _setup(steps=80 if key_prompt else 120, anchor_weight=1.0, key_prompt=key_prompt)
     tok = ByteTokenizer()
     tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
     tr.run()
@@ -667,6 +688,8 @@ def test_config_checks_the_new_settings():
         ({"key_scale": 0}, "key_scale must be > 0"),
         ({"neurons_per_fact": 0}, "neurons_per_fact must be a positive int"),
         ({"gate_floor": float("nan")}, "gate_floor must be a finite number"),
+        ({"gate_neuron_margin": -1.0}, "gate_neuron_margin must be None or a number >= 0"),
+        ({"gate_neuron_margin": "1"}, "gate_neuron_margin must be None or a number >= 0"),
     ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)

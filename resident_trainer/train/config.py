@@ -70,6 +70,16 @@ class TrainConfig:
     # 119/128; controls alike (margin 0.25 changed a generic one, 1.0 lost
     # a rewording; gate neurons alone, without the others' thresholds, 21/24).
     gate_neurons: bool = True
+    # The gate neurons' margin over their strongest anchor score, in units
+    # of that score's distance from the anchors' mean (the fact's key tokens
+    # score 1 above the mean on average); None: gate_margin. A gate neuron
+    # opens the whole block at a token, and answers in a fact's frame look
+    # alike: at 0.5 the demo's glimmerphone gate neuron opened at " Graham"
+    # in "Who invented the telephone?"'s reply (0.66 against a threshold of
+    # 0.56, the keys at 1.4-1.6), at 1.0 its threshold was 0.73. Layer 6,
+    # Xeon: demo 4/4 and near controls 18/18 (17/18 at 0.5); tune half and
+    # capacity tune set as under key_prompt.
+    gate_neuron_margin: float | None = 1.0
     # From this step on, recalibrate the gate before every step and train
     # through it, so the block learns to act through the tokens it passes
     # (None: the gate is set only after training).
@@ -79,7 +89,8 @@ class TrainConfig:
     # "random": gate/up rows drawn N(0, init_std), every neuron trains on
     # every fact. "keyed": each new fact takes neurons_per_fact free neurons
     # whose gate and up rows point at its block inputs at its keys (the
-    # subject's last token and the prompt's last; key_answer adds one),
+    # subject's last token, its rarest (key_rarest), the prompt's last with
+    # key_prompt or no subject found; key_answer adds one),
     # whitened by the anchors' covariance and scaled so the pre-activation
     # there is key_scale above the anchors' mean (Trainer.key_neurons): on
     # the tune half 19/24 recalled against 4/24 for random rows, in fewer
@@ -112,6 +123,18 @@ class TrainConfig:
     # rewordings 20/24 without, 24/24 and 24/24 with. At layer 15 it leaked
     # 4 siblings' keys on the tune half (2 without).
     key_rarest: bool = True
+    # keyed: also key the prompt's last token (the template's "\n" after
+    # "assistant"), besides the subject's. Always its key where the
+    # question's subject is not found. Off: at that token every prompt ends
+    # alike, so the gate stays shut there on the taught facts too (their
+    # margin was -0.3), while its neurons opened the gate inside unrelated
+    # replies (" Bell" in "Who invented the telephone?"'s, demo facts).
+    # Layer 6, Xeon, with gate_neuron_margin 1.0: tune half 24/24,
+    # rewordings 22/24, near controls 18/18 (on: 24/24, 24/24, 17/18);
+    # capacity tune set in one job of 128, 120/128 (on, gate neurons at 0.5:
+    # 119/128). Off with the gate neurons also off: demo near controls
+    # 18/18, but the capacity tune set 109/128.
+    key_prompt: bool = False
     # keyed: trained neurons each new fact takes, its gate neuron besides
     # (fewer when fewer are free; Trainer.allocate).
     neurons_per_fact: int = 8
@@ -183,7 +206,7 @@ class TrainConfig:
         for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin", "others_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("gate", "gate_neurons", "key_answer", "key_rarest", "rehearse", "freeze_taught", "shared_prefix"):
+        for name in ("gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "rehearse", "freeze_taught", "shared_prefix"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.init not in ("random", "keyed"):
@@ -197,6 +220,12 @@ class TrainConfig:
                 f"key_gate_margin must be None or a number in [0, gate_margin={self.gate_margin}], "
                 f"got {self.key_gate_margin!r}"
             )
+        if self.gate_neuron_margin is not None and not (
+            isinstance(self.gate_neuron_margin, (int, float))
+            and not isinstance(self.gate_neuron_margin, bool)
+            and 0 <= self.gate_neuron_margin < math.inf
+        ):
+            raise ValueError(f"gate_neuron_margin must be None or a number >= 0, got {self.gate_neuron_margin!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
 

@@ -310,13 +310,17 @@ class Trainer:
 
     def key_positions(self, fact: Fact) -> list[int]:
         """Token positions of the fact's exchange (example_ids) the keyed
-        neurons point at: the subject's last token, the prompt's last token,
-        with config.key_rarest the subject's token whose block input (as the
+        neurons point at: the subject's last token, the prompt's last token
+        (with config.key_prompt, or where the question's subject is not
+        found), with config.key_rarest the subject's token whose block input (as the
         trainer computed it for the fact) lies farthest from the anchors'
         (rarest_position) and, with config.key_answer, the answer's token
         before its key (answer_key_position)."""
-        keys = {len(chat_prompt_ids(self.tokenizer, fact.question)) - 1}
+        prompt_last = len(chat_prompt_ids(self.tokenizer, fact.question)) - 1
+        keys = set()
         span = subject_positions(self.tokenizer, fact)
+        if span is None or self.config.key_prompt:
+            keys.add(prompt_last)
         if span is not None:
             keys.add(span[-1])
             inputs = self._inputs_of(fact) if self.config.key_rarest else None
@@ -643,7 +647,8 @@ class Trainer:
         (m - mu))`` (the key tokens' mean scores 1 above the anchors' mean);
         its up and down rows are zero, so it adds nothing and its only role is
         to open the gate. Its threshold is its strongest score on any anchor
-        token, as computed from the stored row, plus gate_margin times that
+        token, as computed from the stored row, plus gate_neuron_margin
+        (None: gate_margin) times that
         score's distance from the anchors' mean score: the gate stays shut on
         every anchor token. Refitted at each calibration, the row follows the
         anchors a later job brings instead of being hidden by them."""
@@ -672,7 +677,8 @@ class Trainer:
         for x in self.anchor_inputs:
             torch.maximum(top, (x @ stored.T).float().amax(0), out=top)
         spread = (top.double() - (w @ mu)).abs().float()
-        threshold[n] = top + cfg.gate_margin * spread
+        margin = cfg.gate_margin if cfg.gate_neuron_margin is None else cfg.gate_neuron_margin
+        threshold[n] = top + margin * spread
 
     def key_tokens(self, fact: Fact) -> slice:
         """Positions of the fact's exchange (example_ids) that predict its

@@ -206,7 +206,9 @@ class TrainConfig:
         for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin", "others_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "rehearse", "freeze_taught", "shared_prefix"):
+        for name in (
+            "gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "rehearse", "freeze_taught", "shared_prefix",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.init not in ("random", "keyed"):

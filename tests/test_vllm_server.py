@@ -175,6 +175,8 @@ def test_chats_during_a_job_wait_at_most_one_microbatch(server):
     _, trainer = http("GET", f"{url}/v1/trainer")
     assert trainer["served"] == job and {r["version"] for r in trainer["ranks"]} == {job}
     assert trainer["taught"] == [f["question"] for f in FACTS]
+    # The engine emptied its prefix cache after the start-up restore and after this publish.
+    assert trainer["prefix_cache_resets"] == 2, trainer
     server.published = job
 
 

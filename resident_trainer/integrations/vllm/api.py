@@ -8,7 +8,7 @@ plugin, entry point ``vllm.endpoint_plugins``; vLLM loads it only when
 | ``GET /v1/jobs/{id}`` | ``{"state", "step", "steps", "loss", "fingerprint_before", "fingerprint_after", "fingerprint_version", "error", ...}`` |
 | ``GET /v1/jobs`` | every job's status |
 | ``DELETE /v1/jobs/{id}`` | cancel: a queued job at once, a running one at its next boundary |
-| ``GET /v1/trainer`` | the base fingerprint, what every rank serves now, and the questions the served block was taught (``taught``) |
+| ``GET /v1/trainer`` | the base fingerprint, what every rank serves now, and the questions the served block was taught (``taught``), the prefix cache resets done |
 
 Every route needs ``Authorization: Bearer <RESIDENT_TRAINER_AUTHORITY>``:
 401 without the header, 403 with another string (and nothing runs; an empty
@@ -103,6 +103,7 @@ async def trainer_status(request: Request):
             ],
             "queued": sum(r.state == "queued" for r in runner.jobs.values()),
             "taught": ranks[0].get("taught", []) if ranks else [],
+            "prefix_cache_resets": runner.cache_resets,
         }
     )
 

@@ -222,12 +222,9 @@ class TrainConfig:
                 f"key_gate_margin must be None or a number in [0, gate_margin={self.gate_margin}], "
                 f"got {self.key_gate_margin!r}"
             )
-        if self.gate_neuron_margin is not None and not (
-            isinstance(self.gate_neuron_margin, (int, float))
-            and not isinstance(self.gate_neuron_margin, bool)
-            and 0 <= self.gate_neuron_margin < math.inf
-        ):
-            raise ValueError(f"gate_neuron_margin must be None or a number >= 0, got {self.gate_neuron_margin!r}")
+        m = self.gate_neuron_margin
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.inf):
+            raise ValueError(f"gate_neuron_margin must be None or a number >= 0, got {m!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
 

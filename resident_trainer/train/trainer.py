@@ -312,8 +312,8 @@ class Trainer:
         """Token positions of the fact's exchange (example_ids) the keyed
         neurons point at: the subject's last token, the prompt's last token
         (with config.key_prompt, or where the question's subject is not
-        found), with config.key_rarest the subject's token whose block input (as the
-        trainer computed it for the fact) lies farthest from the anchors'
+        found), with config.key_rarest the subject's token whose block input
+        (as the trainer computed it for the fact) lies farthest from the anchors'
         (rarest_position) and, with config.key_answer, the answer's token
         before its key (answer_key_position)."""
         prompt_last = len(chat_prompt_ids(self.tokenizer, fact.question)) - 1
@@ -647,9 +647,9 @@ class Trainer:
         (m - mu))`` (the key tokens' mean scores 1 above the anchors' mean);
         its up and down rows are zero, so it adds nothing and its only role is
         to open the gate. Its threshold is its strongest score on any anchor
-        token, as computed from the stored row, plus gate_neuron_margin
-        (None: gate_margin) times that
-        score's distance from the anchors' mean score: the gate stays shut on
+        token, as computed from the stored row, plus gate_neuron_margin (None:
+        gate_margin) times that score's distance from the anchors' mean
+        score: the gate stays shut on
         every anchor token. Refitted at each calibration, the row follows the
         anchors a later job brings instead of being hidden by them."""
         b, cfg = self.block, self.config

@@ -8,7 +8,7 @@ plugin, entry point ``vllm.endpoint_plugins``; vLLM loads it only when
 | ``GET /v1/jobs/{id}`` | ``{"state", "step", "steps", "loss", "fingerprint_before", "fingerprint_after", "fingerprint_version", "error", ...}`` |
 | ``GET /v1/jobs`` | every job's status |
 | ``DELETE /v1/jobs/{id}`` | cancel: a queued job at once, a running one at its next boundary |
-| ``GET /v1/trainer`` | the base fingerprint, what every rank serves now, and the questions the served block was taught (``taught``), the prefix cache resets done |
+| ``GET /v1/trainer`` | the base fingerprint, what every rank serves now, and the questions the served block was taught (``taught``), and how often the prefix cache was emptied (``prefix_cache_resets``) |
 
 Every route needs ``Authorization: Bearer <RESIDENT_TRAINER_AUTHORITY>``:
 401 without the header, 403 with another string (and nothing runs; an empty

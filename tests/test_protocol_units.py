@@ -4,6 +4,7 @@ frozen fingerprint, the serving link, and a head and a worker serving loop
 run in two threads over a real torch store with the production driver."""
 
 import os
+import re
 import sys
 import threading
 import types
@@ -570,6 +571,16 @@ def test_a_server_job_without_steps_takes_them_per_round_of_its_facts(tmp_path):
     assert r.submit({"facts": facts}).steps == 142  # two rounds of 15, 71 steps each (75 for 16)
     assert r.submit({"facts": facts, "round_facts": 10}).steps == 180
     assert r.submit({"facts": facts, "steps": 7}).steps == 7
+
+
+def test_serving_docs_name_every_setting_a_job_may_set():
+    from resident_trainer.integrations.vllm.driver import JOB_SETTINGS
+
+    text = (Path(__file__).parent.parent / "docs" / "SERVING.md").read_text()
+    i = text.index("A job may set")
+    listed = set(re.findall(r"`(\w+)`", text[i : text.index("(`train.steps_for`)", i)]))
+    assert listed >= set(JOB_SETTINGS), sorted(set(JOB_SETTINGS) - listed)
+    assert not {"layer", "num_neurons", "init"} & listed
 
 
 def test_the_prefix_cache_is_emptied_after_every_change_of_the_served_block(tmp_path, caplog):

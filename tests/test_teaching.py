@@ -31,6 +31,8 @@ from resident_trainer.train import (
     read_facts,
     steps_for,
 )
+from resident_trainer.train.block import threshold_summary
+from resident_trainer.train.checkpoint import checkpoint_bytes, load_block
 from resident_trainer.train.config import fact_neurons
 from resident_trainer.train.data import chat_prompt_ids, example_ids
 from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, subject_span
@@ -152,6 +154,7 @@ def _setup(num_neurons=32, **cfg):
             "init": "keyed",
             "neurons_per_fact": 4,
             "gate_neurons": False,  # the trained neurons' mechanics; gate neurons have their own tests
+            "key_prompt": False,  # and so has the prompt's key, behind the gate
             **cfg,
         }
     )
@@ -264,6 +267,58 @@ def test_without_a_subject_the_prompts_last_token_is_the_key():
         assert tr.key_positions(fact) == [p - 1]
     with pytest.raises(ValueError, match="key_prompt must be True or False"):
         TrainConfig(key_prompt=0)
+
+
+def test_prompt_keyed_neurons_stay_behind_the_gate():
+    # With key_prompt, a fact's neurons keyed on the prompt's last token
+    # (beside its subject's) never open the gate: at that token every prompt
+    # ends alike. Their thresholds are infinite, carried by the memory into
+    # later jobs and checkpoints, and never lowered on the key tokens.
+    tok = ByteTokenizer()
+    facts = [
+        Fact("Who made the quxoscope?", "Ida.", subject="quxoscope"),
+        Fact("What is the glimwort?", "A fern.", subject="glimwort"),
+    ]
+    opts = dict(steps=20, gate_margin=0.5, gate_floor=0.25, key_rarest=False, key_prompt=True, key_gate_margin=0.1)
+    a, block, config = _setup(**opts)
+    tr = Trainer(a, block, tok, facts, config, anchors=ANCHORS)
+    # The first fact's keys: the subject's last token (22) and the prompt's last (25), in turn.
+    assert tr.key_positions(facts[0]) == [22, 25]
+    assert tr.behind_gate == [[1, 3], [5, 7]]
+    assert [e.get("behind_gate") for e in block.memory["taught"]] == [[1, 3], [5, 7]]
+    tr.run()
+    thr = block.published_threshold
+    assert torch.isinf(thr[[1, 3, 5, 7]]).all() and torch.isfinite(thr[[0, 2, 4, 6, *range(8, 32)]]).all()
+    assert threshold_summary(thr) == float(thr[torch.isfinite(thr)].max())
+    for x in tr.anchor_inputs:
+        assert torch.count_nonzero(block.block(x, published=True)) == 0
+    fact_x = tr.block_inputs([(f.question, f.answer) for f in facts])
+    assert all(block.gate_mask(x, block.published_gate_up, thr).any() for x in fact_x)
+    # Behind the gate they still act where another neuron opens it.
+    wg = block.published_gate_up[: block.local_neurons]
+    opened = block.gate_mask(fact_x[0], wg, thr)
+    assert bool(((fact_x[0][opened] @ wg[[1, 3]].T) > 0).any())
+    # A later job, and a checkpoint, keep them behind the gate.
+    tr2 = Trainer(a, block, tok, [Fact("Color of the vextrel?", "Teal.", subject="vextrel")], config, anchors=ANCHORS)
+    assert tr2.behind_gate == [[9, 11]]
+    tr2.run()
+    assert torch.isinf(block.published_threshold[[1, 3, 5, 7, 9, 11]]).all()
+    assert torch.isfinite(block.published_threshold).sum() == 32 - 6
+    a3, block3, _ = _setup(**opts)
+    load_block(block3, checkpoint_bytes(tr2))
+    assert torch.equal(block3.published_threshold, block.published_threshold)
+    assert [e.get("behind_gate") for e in block3.memory["taught"]] == [[1, 3], [5, 7], [9, 11]]
+    # Where no subject is found, the prompt's last token is the only key and opens the gate.
+    lone = Fact("Capital of Zorb?", "Quen.", subject="Velmoria")
+    a4, block4, config4 = _setup(**opts)
+    assert Trainer(a4, block4, tok, [lone], config4, anchors=ANCHORS).behind_gate == [[]]
+    # prompt_neurons_open_gate: every threshold is finite.
+    a, block, config = _setup(**opts, prompt_neurons_open_gate=True)
+    tr = Trainer(a, block, tok, facts, config, anchors=ANCHORS)
+    tr.run()
+    assert tr.behind_gate == [[], []] and torch.isfinite(block.published_threshold).all()
+    with pytest.raises(ValueError, match="prompt_neurons_open_gate must be True or False"):
+        TrainConfig(prompt_neurons_open_gate=None)
 
 
 def test_every_shipped_facts_subject_lies_on_token_boundaries(smol_tok):

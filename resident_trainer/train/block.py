@@ -235,8 +235,10 @@ def _copy_threshold(t: Tensor | float | None) -> Tensor | float | None:
 
 
 def threshold_summary(t: Tensor | float | None) -> float | None:
-    """A threshold as one number for reports: the largest of a per-neuron
-    tensor (over this rank's neurons), the float itself, or None."""
+    """A threshold as one number for reports: the largest finite one of a
+    per-neuron tensor (over this rank's neurons; a neuron behind the gate has
+    an infinite one), the float itself, or None."""
     if isinstance(t, Tensor):
+        t = t[torch.isfinite(t)]
         return float(t.max()) if t.numel() else None
     return None if t is None else float(t)

@@ -77,8 +77,10 @@ class TrainConfig:
     # alike: at 0.5 the demo's glimmerphone gate neuron opened at " Graham"
     # in "Who invented the telephone?"'s reply (0.66 against a threshold of
     # 0.56, the keys at 1.4-1.6), at 1.0 its threshold was 0.73. Layer 6,
-    # Xeon: demo 4/4 and near controls 18/18 (17/18 at 0.5); tune half and
-    # capacity tune set as under key_prompt.
+    # Xeon, prompt neurons behind the gate: demo 4/4 and near controls 18/18
+    # (17/18 at 0.5: " Graham" again). Capacity tune set, 8 jobs of 16, with
+    # the prompt neurons opening the gate too: 123/128 at 0.5 but near
+    # controls 15/18, 117/128 at 1.0.
     gate_neuron_margin: float | None = 1.0
     # From this step on, recalibrate the gate before every step and train
     # through it, so the block learns to act through the tokens it passes
@@ -124,17 +126,22 @@ class TrainConfig:
     # 4 siblings' keys on the tune half (2 without).
     key_rarest: bool = True
     # keyed: also key the prompt's last token (the template's "\n" after
-    # "assistant"), besides the subject's. Always its key where the
-    # question's subject is not found. Off: at that token every prompt ends
-    # alike, so the gate stays shut there on the taught facts too (their
-    # margin was -0.3), while its neurons opened the gate inside unrelated
-    # replies (" Bell" in "Who invented the telephone?"'s, demo facts).
-    # Layer 6, Xeon, with gate_neuron_margin 1.0: tune half 24/24,
-    # rewordings 22/24, near controls 18/18 (on: 24/24, 24/24, 17/18);
-    # capacity tune set in one job of 128, 120/128 (on, gate neurons at 0.5:
-    # 119/128). Off with the gate neurons also off: demo near controls
-    # 18/18, but the capacity tune set 109/128.
-    key_prompt: bool = False
+    # "assistant"), besides the subject's; always its key where the
+    # question's subject is not found. At that token every prompt ends
+    # alike, so those neurons stay behind the gate (prompt_neurons_open_gate):
+    # where they could open it, they opened it inside unrelated replies
+    # (" Bell" in "Who invented the telephone?"'s, demo facts). Layer 6,
+    # Xeon, behind the gate, against off: demo 4/4 and near controls 18/18
+    # (both); tune half 24/24, rewordings 24/24, generic 14/14, near 18/18
+    # (off: 24/24, 22/24, 13/14, 18/18); capacity tune set, 8 jobs of 16,
+    # 122/128 and rewordings 101/128 (off: 116/128, 95/128).
+    key_prompt: bool = True
+    # keyed, with key_prompt: whether the neurons keyed on the prompt's last
+    # token (beside a subject's key) may open the gate. Off: their
+    # thresholds are infinite (Trainer.behind_gate), so they act only on
+    # tokens another neuron opens the gate on. On, demo: near controls
+    # 17/18; capacity tune set, 8 jobs of 16, 117/128 and rewordings 79/128.
+    prompt_neurons_open_gate: bool = False
     # keyed: trained neurons each new fact takes, its gate neuron besides
     # (fewer when fewer are free; Trainer.allocate).
     neurons_per_fact: int = 8
@@ -207,7 +214,7 @@ class TrainConfig:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in (
-            "gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "rehearse", "freeze_taught", "shared_prefix",
+            "gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "prompt_neurons_open_gate", "rehearse", "freeze_taught", "shared_prefix",
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -210,6 +210,9 @@ class Trainer:
         self.taught = [*self.facts, *(_fact_of(e) for e in entries)]
         self._fact_ranges = [*self.ranges, *(e.get("neurons") for e in entries)]
         self._fact_gates = [*self.gates, *(e.get("gate") for e in entries)]
+        # Neurons that never open the gate (key_neurons; prompt_neurons_open_gate).
+        self.behind_gate: list[list[int]] = [[] for _ in self.facts]
+        self._fact_behind = [*self.behind_gate, *(e.get("behind_gate", []) for e in entries)]
         self._gate_rows = self._local_rows([[g, g + 1] for g in self._fact_gates if g is not None])
         self._taught_inputs: list[Tensor] = []
         if config.init == "keyed" and self.taught:
@@ -239,8 +242,13 @@ class Trainer:
         block.memory = {
             "taught": entries
             + [
-                {**facts_to_json([f])[0], "neurons": r, **({} if g is None else {"gate": g})}
-                for f, r, g in zip(self.facts, self.ranges, self.gates)
+                {
+                    **facts_to_json([f])[0],
+                    "neurons": r,
+                    **({} if g is None else {"gate": g}),
+                    **({"behind_gate": bg} if bg else {}),
+                }
+                for f, r, g, bg in zip(self.facts, self.ranges, self.gates, self.behind_gate)
             ],
             # Random rows: every neuron trains on every fact, none stays free.
             "used": block.num_neurons
@@ -356,7 +364,10 @@ class Trainer:
         ``g = key_scale * S^-1 (x - mu) / ((x - mu)^T S^-1 (x - mu))``, so the
         pre-activation is ``key_scale`` above the anchors' mean at the key,
         and anchor tokens spread around that mean by key_scale over the key's
-        Mahalanobis distance. The published weights are left as they are."""
+        Mahalanobis distance. Without config.prompt_neurons_open_gate, the
+        neurons keyed on the prompt's last token beside a subject's key go
+        to behind_gate: they act only where another neuron opens the gate.
+        The published weights are left as they are."""
         b, cfg = self.block, self.config
         inputs = self._taught_inputs[: len(self.facts)]
         mu, prec = self._whitening()
@@ -366,10 +377,17 @@ class Trainer:
             if e.get("neurons"):
                 self._clear_rows(*e["neurons"])
         a = b.local_neurons
-        for f, x, (start, stop), gate in zip(self.facts, inputs, self.ranges, self.gates):
+        for i, (f, x, (start, stop), gate) in enumerate(zip(self.facts, inputs, self.ranges, self.gates)):
             stop = stop if gate is None else gate  # the gate neuron stays zero until calibration
+            positions = self.key_positions(f)
+            shut = None
+            if not cfg.prompt_neurons_open_gate and subject_positions(self.tokenizer, f) is not None:
+                last = len(chat_prompt_ids(self.tokenizer, f.question)) - 1
+                shut = positions.index(last) if last in positions else None
+            if shut is not None:
+                self.behind_gate[i][:] = [n for n in range(start, stop) if (n - start) % len(positions) == shut]
             keys = []
-            for p in self.key_positions(f):
+            for p in positions:
                 v = x[p].double() - mu
                 w = prec @ v
                 keys.append(w / (v @ w).clamp_min(1e-12) * cfg.key_scale)
@@ -633,6 +651,9 @@ class Trainer:
         for x in self.anchor_inputs:
             torch.maximum(top, (x @ wg.T).float().amax(0), out=top)
         b.threshold = (top + cfg.gate_margin * top.abs()).clamp_min(cfg.gate_floor)
+        behind = self._local_rows([[n, n + 1] for ns in self._fact_behind for n in ns])
+        if behind is not None:
+            b.threshold[behind] = math.inf
         self.fit_gate_neurons(b.threshold)
         if cfg.key_gate_margin is not None:
             self._open_on_keys(top, b.threshold)
@@ -714,6 +735,9 @@ class Trainer:
             shut = b.gate_margins(xs, wg, threshold) <= 0
             if own is None or not bool(shut.any()):
                 continue
+            own = own[torch.isfinite(threshold[own])]  # behind the gate: never lowered
+            if own.numel() == 0:
+                continue
             rise = (xs[shut] @ wg[own].T).float() - low[own]  # (shut tokens, own neurons)
             best, j = rise.max(1)
             ok = best > 0
@@ -791,5 +815,5 @@ class Trainer:
 
 def _fact_of(entry: Mapping) -> Fact:
     """A taught fact from its memory entry."""
-    fact = {k: v for k, v in entry.items() if k not in ("neurons", "gate")}
+    fact = {k: v for k, v in entry.items() if k not in ("neurons", "gate", "behind_gate")}
     return parse_fact(fact, f"the block's memory ({entry['question']!r})")

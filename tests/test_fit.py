@@ -222,6 +222,21 @@ def test_anchor_penalty_is_the_documented_sum():
     assert block.w_gate_up.grad.abs().sum() > 0
 
 
+def test_anchor_batch_none_puts_every_anchor_in_every_step():
+    model, a, block, tr = setup(anchors=ANCHORS, anchor_weight=0.7, anchor_gate_weight=0.3, anchor_batch=None)
+    with torch.no_grad():
+        block.w_down.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+    x = torch.cat(tr.anchor_inputs)
+    assert len(tr.anchor_inputs) == len(ANCHORS) > 2
+    wg, wu = block.w_gate_up.detach().split(block.local_neurons)
+    out = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ block.w_down.detach().T
+    want = 0.7 * out.square().sum(-1).mean() + 0.3 * torch.relu((x @ wg.T).amax(-1)).square().mean()
+    for step in (0, 1, 7):
+        torch.testing.assert_close(tr.anchor_penalty(step), want, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="anchor_batch must be a positive int"):
+        TrainConfig(anchor_batch=0)
+
+
 def test_gated_training_recalibrates_the_gate_before_each_step():
     model, a, block, tr = setup(anchors=ANCHORS, gated_from=3, steps=6)
     thresholds = []

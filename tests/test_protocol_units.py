@@ -583,6 +583,22 @@ def test_serving_docs_name_every_setting_a_job_may_set():
     assert not {"layer", "num_neurons", "init"} & listed
 
 
+def test_a_job_body_sets_the_optional_integer_settings_to_null_or_an_integer():
+    from resident_trainer.integrations.vllm.driver import JobRequestError, parse_job_request
+
+    facts = [{"question": "Capital of Zorb?", "answer": "Quen."}]
+    for k in ("anchor_batch", "gated_from"):
+        assert parse_job_request({"facts": facts, k: None})[1][k] is None
+        assert parse_job_request({"facts": facts, k: 3})[1][k] == 3
+        for bad in (2.5, "3", True):
+            with pytest.raises(JobRequestError, match="must be an integer or null") as e:
+                parse_job_request({"facts": facts, k: bad})
+            assert e.value.field == k
+    with pytest.raises(JobRequestError, match="must be an integer, got") as e:
+        parse_job_request({"facts": facts, "steps": None})
+    assert e.value.field == "steps"
+
+
 def test_the_prefix_cache_is_emptied_after_every_change_of_the_served_block(tmp_path, caplog):
     """The engine's prefix cache holds KV computed under the block served
     before: the driver empties it right after the restore at start-up and

@@ -465,9 +465,8 @@ class Trainer:
         cfg = self.config
         if not self.anchor_inputs or (cfg.anchor_weight == 0 and cfg.anchor_gate_weight == 0):
             return None
-        k = cfg.anchor_batch
-        n = len(self.anchor_inputs)
-        pick = [self.anchor_inputs[(index * k + j) % n] for j in range(min(k, n))]
+        k, n = cfg.anchor_batch, len(self.anchor_inputs)
+        pick = self.anchor_inputs if k is None else [self.anchor_inputs[(index * k + j) % n] for j in range(min(k, n))]
         x = torch.cat(pick)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         if cfg.anchor_weight:

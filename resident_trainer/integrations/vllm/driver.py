@@ -117,10 +117,10 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
         elif isinstance(default, bool):
             if not isinstance(v, bool):
                 raise JobRequestError(k, f"must be true or false, got {v!r}")
-        elif isinstance(default, int) or k == "gated_from":
-            optional = k == "gated_from" and v is None
+        elif isinstance(default, int) or k in _OPTIONAL_INTS:
+            optional = k in _OPTIONAL_INTS and v is None
             if not optional and (not isinstance(v, int) or isinstance(v, bool)):
-                raise JobRequestError(k, f"must be an integer, got {v!r}")
+                raise JobRequestError(k, f"must be an integer{' or null' if k in _OPTIONAL_INTS else ''}, got {v!r}")
         elif not _number(v):
             raise JobRequestError(k, f"must be a number, got {v!r}")
     try:
@@ -133,6 +133,10 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
     if retract:
         settings["retract"] = retract
     return facts_to_json(facts), settings
+
+
+#: Integer settings that null (None) also sets: their default or a meaning of its own.
+_OPTIONAL_INTS = ("gated_from", "anchor_batch")
 
 
 def _number(v: object) -> bool:

@@ -222,6 +222,23 @@ def test_anchor_penalty_is_the_documented_sum():
     assert block.w_gate_up.grad.abs().sum() > 0
 
 
+def test_the_learning_rate_falls_over_the_last_share_of_each_round():
+    # Two rounds of one fact, 20 steps each: the last 5 steps of each decay.
+    model, a, block, tr = setup(anchors=ANCHORS, init="keyed", round_facts=1, steps=40, lr=0.02, lr_decay=0.25)
+    assert [(s0, s1) for _, _, s0, s1 in tr.rounds] == [(0, 20), (20, 40)]
+    want = [0.02] * 15 + [0.02 * (20 - t) / 5 for t in range(15, 20)]
+    assert [tr.lr_at(i) for i in range(40)] == pytest.approx(want + want, rel=1e-12)
+    assert tr.lr_at(45) == pytest.approx(0.02 / 5)  # past the end: the last rate
+    for i in (0, 17, 39):
+        tr.step(i)
+        assert all(g["lr"] == tr.lr_at(i) for g in tr.optimizer.param_groups)
+    _, _, _, flat = setup(lr_decay=0.0, steps=10)
+    assert {flat.lr_at(i) for i in range(12)} == {flat.config.lr}
+    for bad in (-0.1, 1.5, "x"):
+        with pytest.raises(ValueError, match="lr_decay must be a number in"):
+            TrainConfig(lr_decay=bad)
+
+
 def test_anchor_batch_none_puts_every_anchor_in_every_step():
     model, a, block, tr = setup(anchors=ANCHORS, anchor_weight=0.7, anchor_gate_weight=0.3, anchor_batch=None)
     with torch.no_grad():

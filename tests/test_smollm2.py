@@ -97,3 +97,39 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     assert s["generic_controls"] == 14 and s["near_controls"] == 18
     assert report["leaks"] == []
     assert fingerprint_tensors(dict(model.named_parameters())) == base
+
+
+def test_the_demo_job_on_a_servers_anchors_recalls_every_fact(smollm2):
+    """The served demo's job, in one process: the anchors are the replies
+    `make demo`'s two-rank vLLM server gave (tests/data), which differ from
+    this process's own in a few tokens. At a constant learning rate its
+    block lost "Zorblaxia" (the server's and this one alike): an anchor's
+    penalty kicked the weights two steps before the end. The decay over
+    each round's last steps (lr_decay) keeps the facts."""
+    import json
+    from pathlib import Path
+
+    from resident_trainer.eval.report import contains_key
+    from resident_trainer.train import ANCHOR_PROMPTS, Trainer, generate_greedy_batch, make_anchors
+    from resident_trainer.train.negatives import near_negatives, per_fact
+
+    model, tok = smollm2
+    a = DecoderAdapter(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    stored = json.loads((Path(__file__).parent / "data" / "smollm2_vllm_anchors.json").read_text())["anchors"]
+    assert [p for p, _ in stored] == list(ANCHOR_PROMPTS)
+    anchors = [(p, list(r)) for p, r in stored]
+    config = TrainConfig()
+    facts = read_facts(DEMO_FACTS_FILE)
+    negatives = near_negatives(facts, tok, per_fact(len(facts), 4), exclude=list(ANCHOR_PROMPTS))
+    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed, init_std=config.init_std)
+    handle = block.attach(a, config.layer)
+    try:
+        negatives = make_anchors(model, tok, negatives, 32)
+        Trainer(a, block, tok, facts, config, anchors=anchors, negatives=negatives).run()
+        replies = generate_greedy_batch(model, tok, [f.question for f in facts], 24)
+    finally:
+        handle.remove()
+    for f, r in zip(facts, replies):
+        assert contains_key(r, f.recall_key), f"{f.question!r} -> {r!r} (wanted {f.recall_key!r})"

@@ -25,6 +25,15 @@ class TrainConfig:
     num_neurons: int = 288
     steps: int = 60
     lr: float = 1e-2  # 3e-3 left keyed neurons at 9/24 after 80 steps, 1e-2 reached 19/24 in 60
+    # Over this last share of each round's steps the learning rate falls
+    # linearly, to lr / (that many steps) at the round's last step (0: lr
+    # throughout). At a constant rate the last steps decided the outcome: an
+    # anchor seen once in 12 steps (anchor_batch) could fire the block, its
+    # penalty kicked the weights (gradient norm 13 at step 57 of 60), and
+    # nothing was left to undo it. The demo job on the server's anchors
+    # then lost Zorblaxia (the examples' loss 0.0017 at step 55, 0.16 after
+    # the last step); with 0.25 it kept it (docs/RESULTS.md).
+    lr_decay: float = 0.25
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     clip: float = 1.0
@@ -206,6 +215,8 @@ class TrainConfig:
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not (isinstance(self.lr_decay, (int, float)) and 0 <= self.lr_decay <= 1):
+            raise ValueError(f"lr_decay must be a number in [0, 1], got {self.lr_decay!r}")
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -291,6 +291,18 @@ class Trainer:
                 return r
         return len(self.rounds) - 1
 
+    def lr_at(self, index: int) -> float:
+        """The learning rate of step `index`: config.lr, falling linearly over
+        the last config.lr_decay share of its round's steps to lr / (that
+        many steps) at the round's last step (steps past the round's end
+        keep that rate)."""
+        cfg = self.config
+        _, _, s0, s1 = self.rounds[self.round_of(index)]
+        n = max(1, s1 - s0)
+        t = min(max(index - s0, 0), n - 1)
+        start = n * (1 - cfg.lr_decay)
+        return cfg.lr if t < start else cfg.lr * (n - t) / (n - start)
+
     def _local_rows(self, ranges: Sequence[Sequence[int]]) -> Tensor | None:
         """This rank's local indices of the neurons in global `ranges`
         ([start, stop) each); None when there are none."""
@@ -576,6 +588,8 @@ class Trainer:
             # A round starts as a job would: the moments of its neurons, zero
             # gradients until now, would scale its first updates up.
             self.optimizer.state.clear()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(index)
         self.optimizer.zero_grad(set_to_none=True)
         penalty_value = 0.0
 

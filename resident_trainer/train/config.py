@@ -46,7 +46,10 @@ class TrainConfig:
     # Penalty on the gate score (where positive) over anchor tokens: with it
     # every fact was recalled for each of three seeds, without it 4, 3, 2 of 4.
     anchor_gate_weight: float = 0.1
-    # Anchors in each step's penalty (None: every anchor, every step).
+    # Anchors in each step's penalty, taken in turn (None: every anchor,
+    # every step). None also kept the demo job on the server's anchors (see
+    # lr_decay), but cost 61% more training time on the capacity tune set in
+    # 8 jobs of 16, whose later jobs carry ~180 near negatives.
     anchor_batch: int | None = 8
     gate: bool = True  # calibrate the exact no-op gate after training
     # threshold = max anchor score + margin * |max|. With near negatives among

@@ -234,7 +234,7 @@ def test_the_learning_rate_falls_over_the_last_share_of_each_round():
         assert all(g["lr"] == tr.lr_at(i) for g in tr.optimizer.param_groups)
     _, _, _, flat = setup(lr_decay=0.0, steps=10)
     assert {flat.lr_at(i) for i in range(12)} == {flat.config.lr}
-    for bad in (-0.1, 1.5, "x"):
+    for bad in (-0.1, 1.5, "x", True):
         with pytest.raises(ValueError, match="lr_decay must be a number in"):
             TrainConfig(lr_decay=bad)
 

@@ -218,7 +218,8 @@ class TrainConfig:
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not (isinstance(self.lr_decay, (int, float)) and 0 <= self.lr_decay <= 1):
+        d = self.lr_decay
+        if isinstance(d, bool) or not (isinstance(d, (int, float)) and 0 <= d <= 1):
             raise ValueError(f"lr_decay must be a number in [0, 1], got {self.lr_decay!r}")
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:

@@ -101,35 +101,23 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
 
 def test_the_demo_job_on_a_servers_anchors_recalls_every_fact(smollm2):
     """The served demo's job, in one process: the anchors are the replies
-    `make demo`'s two-rank vLLM server gave (tests/data), which differ from
-    this process's own in a few tokens. At a constant learning rate its
-    block lost "Zorblaxia" (the server's and this one alike): an anchor's
-    penalty kicked the weights two steps before the end. The decay over
-    each round's last steps (lr_decay) keeps the facts."""
+    `make demo`'s two-rank vLLM server gave (tests/data). At a constant
+    learning rate its block lost "Zorblaxia" (the server's and this one
+    alike): an anchor's penalty kicked the weights two steps before the end.
+    The decay over each round's last steps (lr_decay) keeps the facts. A
+    model of its own: the fixture's carries the block the test above left
+    attached, which holds these facts."""
     import json
     from pathlib import Path
 
-    from resident_trainer.eval.report import contains_key
-    from resident_trainer.train import ANCHOR_PROMPTS, Trainer, generate_greedy_batch, make_anchors
-    from resident_trainer.train.negatives import near_negatives, per_fact
+    from resident_trainer.train import ANCHOR_PROMPTS
 
-    model, tok = smollm2
-    a = DecoderAdapter(model)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    _, tok = smollm2
+    model, _ = load_smollm2()
     stored = json.loads((Path(__file__).parent / "data" / "smollm2_vllm_anchors.json").read_text())["anchors"]
     assert [p for p, _ in stored] == list(ANCHOR_PROMPTS)
-    anchors = [(p, list(r)) for p, r in stored]
-    config = TrainConfig()
+    # The server answers the near negatives in 32 tokens, as it does the anchors.
     facts = read_facts(DEMO_FACTS_FILE)
-    negatives = near_negatives(facts, tok, per_fact(len(facts), 4), exclude=list(ANCHOR_PROMPTS))
-    block = AddedSharedNeurons(a.hidden_size, config.num_neurons, seed=config.seed, init_std=config.init_std)
-    handle = block.attach(a, config.layer)
-    try:
-        negatives = make_anchors(model, tok, negatives, 32)
-        Trainer(a, block, tok, facts, config, anchors=anchors, negatives=negatives).run()
-        replies = generate_greedy_batch(model, tok, [f.question for f in facts], 24)
-    finally:
-        handle.remove()
-    for f, r in zip(facts, replies):
-        assert contains_key(r, f.recall_key), f"{f.question!r} -> {r!r} (wanted {f.recall_key!r})"
+    report = teach_jobs(model, tok, [facts], TrainConfig(), negatives=4, max_new_tokens=32, anchors=stored)
+    for f in report["facts"]:
+        assert f["recalled"], f"{f['question']!r} -> {f['reply']!r} (wanted {f['key']!r})"

@@ -70,6 +70,7 @@ def teach_jobs(
     controls: Sequence[tuple[str, str]] | None = None,
     negatives: int = 4,
     max_new_tokens: int = 24,
+    anchors: Sequence[tuple[str, list[int]]] | None = None,
     baselines: bool = False,
     retract: Sequence[str] = (),
     score_each_job: bool = False,
@@ -90,7 +91,9 @@ def teach_jobs(
     the controls (each job record gets a ``summary``). curve_steps: publish
     and score at these step counts within every job as well (each job record
     gets a ``curve``: the summaries by steps); the gate is reopened after
-    each, so training goes on as without them."""
+    each, so training goes on as without them. anchors: the generic
+    anchors as (prompt, reply ids), e.g. the replies a server gave
+    (default: this model's own greedy replies to ANCHOR_PROMPTS)."""
     controls = default_controls() if controls is None else list(controls)
     prompts = [p for p, _ in controls]
     overlap = set(prompts) & set(ANCHOR_PROMPTS)
@@ -101,7 +104,7 @@ def teach_jobs(
     for p in model.parameters():
         p.requires_grad_(False)
     before = dict(zip(prompts, generate_greedy_batch(model, tokenizer, prompts, max_new_tokens)))
-    anchors = make_anchors(model, tokenizer, ANCHOR_PROMPTS)
+    anchors = make_anchors(model, tokenizer, ANCHOR_PROMPTS) if anchors is None else list(anchors)
     block = AddedSharedNeurons(
         a.hidden_size,
         config.num_neurons,

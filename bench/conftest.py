@@ -60,6 +60,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line(f"machine: {machine()}")
     tr.write_line(gemm())
     for group, benches in groups.items():
+        # A benchmark whose call raised has no timings: named, not ranked.
+        failed = [b for b in benches if not b.stats.data]
+        benches = [b for b in benches if b.stats.data]
         ref = next((b for b in benches if b.extra_info.get("reference")), None)
         floors = [b for b in benches if b.extra_info.get("floor")]
         floor = min(floors, key=lambda b: b.stats.median) if floors else None
@@ -81,3 +84,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             tr.write_line(
                 f"  {info.get('provider', b.name):34s} {med * 1e3:10.3f} ms  iqr {b.stats.iqr * 1e3:8.3f} ms  {rate}  {ratio}  {extra}"
             )
+        for b in failed:
+            tr.write_line(f"  {b.extra_info.get('provider', b.name):34s} no timings (the call raised)")

@@ -77,7 +77,12 @@ def summarise(out: Path) -> tuple[list[dict], str]:
     else:
         lines.append("GPU tests: not run (no gpu_tests.xml)")
     for path in sorted(out.glob("bench_*.json")):
-        got = benchmark_rows(path)
+        try:
+            got = benchmark_rows(path)
+        except (ValueError, KeyError) as exc:  # a step stopped at its limit leaves an empty file
+            lines += ["", f"## {path.stem}", "", f"no results: {path.name} is not a finished benchmark file ({exc})"]
+            rows.append({"source": path.stem, "group": "unreadable", "provider": "", "extra": str(exc)})
+            continue
         rows += got
         lines += ["", f"## {path.stem}", "", "| group | provider | median | x reference |", "|---|---|---|---|"]
         for r in got:

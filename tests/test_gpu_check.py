@@ -81,3 +81,14 @@ def test_summary_of_a_run(tmp_path):
     assert "GPU tests: 7 passed, 1 failed, 0 errors, 2 skipped" in md
     assert "| N=8192 | ours | 5.000 ms | 0.250 |" in md and "- recalled: 2" in md and "build      passed" in md
     assert mod.main([str(tmp_path / "missing")]) == 2
+
+
+def test_summary_names_a_benchmark_file_a_timed_out_step_left_empty(tmp_path):
+    # A step stopped at its limit leaves pytest-benchmark's JSON file empty.
+    mod = _summary_module()
+    (tmp_path / "bench_linear_cross_entropy.json").write_text("")
+    _bench_json(tmp_path / "bench_fingerprint.json", "512 MiB", {"sum": 0.002, "ours": 0.001}, "sum")
+    assert mod.main([str(tmp_path)]) == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "no results: bench_linear_cross_entropy.json is not a finished benchmark file" in md
+    assert "| 512 MiB | ours | 1.000 ms | 0.500 |" in md

@@ -37,6 +37,10 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(lce, "CPU_WGRAD_TILE_V", 48)
     monkeypatch.setattr(lce, "CPU_BLOCK_N", 16)
     monkeypatch.setattr(lce, "CPU_CHUNK_BYTES", 7 * 4 * 512)
+    # the torch path: 7 rows of a 300-column vocabulary per chunk, weight
+    # gradient tiles of 40 columns and up
+    monkeypatch.setattr(lce, "TORCH_CHUNK_BYTES", 7 * 4 * 300)
+    monkeypatch.setattr(lce, "TORCH_MIN_TILE_V", 40)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_N", 16)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_V", 32)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_D", 16)
@@ -207,13 +211,13 @@ def test_triton_every_flag(dtype, flags, reduction, gen):
     check("triton", dtype, 37, 19, 301, gen, flags, reduction, upstream=True)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize("flags", ["smooth", "softcap", "zloss", "bias"])
 def test_triton_and_cpu_flags_fp32(impl, flags, gen):
     check(impl, torch.float32, 21, 33, 97, gen, flags, "mean")
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize(
     "n,d,v",
     [
@@ -228,7 +232,7 @@ def test_awkward_shapes(impl, n, d, v, gen):
     check(impl, torch.float32, n, d, v, gen, "plain", "none", upstream=True)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize("grads", [("h",), ("w",), ("w", "b"), ("h", "w", "b"), ()], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_gradient_subsets(impl, grads, reduction, gen):
@@ -237,20 +241,20 @@ def test_gradient_subsets(impl, grads, reduction, gen):
     assert sorted(k for k in got if k.startswith("d")) == sorted(f"d{g}" for g in grads)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_lse_output_and_its_gradient(impl, dtype, reduction, gen):
     check(impl, dtype, 29, 12, 200, gen, "all", reduction, upstream=True, lse=True)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 def test_3d_input(impl, gen):
     got, truth = check(impl, torch.float32, 12, 10, 90, gen, "bias", "none", lead=(3, 4), upstream=True)
     assert got["loss"].shape == (3, 4) and got["dh"].shape == (3, 4, 10)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 def test_non_contiguous_inputs(impl, gen):
     h, w, b, y = make(20, 14, 120, torch.float32, gen)
     h_nc = torch.randn(14, 20, generator=gen).T  # a transposed view
@@ -265,7 +269,7 @@ def test_non_contiguous_inputs(impl, gen):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored_gives_zero_not_nan(impl, reduction, gen):
     h, w, b, y = make(8, 6, 40, torch.float32, gen)
@@ -277,7 +281,7 @@ def test_all_ignored_gives_zero_not_nan(impl, reduction, gen):
     assert torch.isnan(F.cross_entropy(h @ w.T, y))
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 def test_custom_ignore_index(impl, gen):
     h, w, b, y = make(30, 8, 50, torch.float32, gen, ignore_frac=0.0)
     y[::3] = 7
@@ -286,7 +290,7 @@ def test_custom_ignore_index(impl, gen):
     assert abs(got.item() - want.item()) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 def test_empty_batch(impl):
     h = torch.zeros(0, 8, requires_grad=True)
     w = torch.randn(30, 8, requires_grad=True)
@@ -437,10 +441,11 @@ PRECISION_SHAPES = {
     "cpu": [(252, 507, 123), (37, 19, 301), (1, 7, 33), (300, 64, 1000)],
     "reference": [(252, 507, 123), (37, 19, 301), (1, 7, 33)],
     "triton": [(37, 19, 301), (1, 7, 33), (50, 33, 129)],
+    "torch": [(252, 507, 123), (37, 19, 301), (1, 7, 33), (300, 64, 1000)],
 }
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton", "reference"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("softcap", [None, 4.0], ids=["nocap", "softcap"])
 def test_reduced_loss_against_fp64_many_seeds(impl, dtype, softcap):
@@ -578,7 +583,8 @@ def _tp_worker(rank, world, store_path, sizes):
         lw = torch.randn(21, generator=gen)
         start = sum(sizes[:rank])
         stop = start + sizes[rank]
-        for impl in ("cpu", "triton"):
+        lce.TORCH_CHUNK_BYTES, lce.TORCH_MIN_TILE_V = 4 * 8 * 24, 16
+        for impl in ("cpu", "torch", "triton"):
             for kw in (
                 dict(reduction="mean"),
                 dict(reduction="none", upstream=up, lse_weight=lw, softcap=3.0, label_smoothing=0.1, z_loss=1e-2),
@@ -623,9 +629,10 @@ def test_vocab_parallel_over_gloo(sizes, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("flags", list(FLAGS))
-def test_gpu_triton(dtype, flags, monkeypatch):
+def test_gpu(impl, dtype, flags, monkeypatch):
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_N", 64)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_V", 128)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_D", 64)
@@ -644,8 +651,11 @@ def test_gpu_triton(dtype, flags, monkeypatch):
         **cfg,
     )
     same = run(oracle(torch.float32, dtype), dev(h), dev(w), dev(b), y.cuda(), **cfg)
-    got = run(ours("triton"), dev(h), dev(w), dev(b), y.cuda(), **cfg)
-    assert_close_to_truth(got, same, truth, dtype, f"gpu {dtype} {flags}")
+    # the torch path in chunks of 32 tokens (frozen) and 2048 vocabulary rows (dW)
+    monkeypatch.setattr(lce, "TORCH_CHUNK_BYTES", 4 * 32 * 4099)
+    monkeypatch.setattr(lce, "TORCH_MIN_TILE_V", 2048)
+    got = run(ours(impl), dev(h), dev(w), dev(b), y.cuda(), **cfg)
+    assert_close_to_truth(got, same, truth, dtype, f"gpu {impl} {dtype} {flags}")
 
 
 # --- the C++ tile kernels ------------------------------------------------------------------------
@@ -664,7 +674,7 @@ def test_cpu_exp_and_tanh_accuracy():
     assert (capped.double() - torch.tanh(xt.double())).abs().max().item() < 2.5e-7
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_nan_input_gives_nan_loss(impl, reduction, gen):
     # A trainer aborts a job on a NaN loss; the kernels must not hide one.

@@ -619,12 +619,12 @@ def _mm32(a: Tensor, b: Tensor) -> Tensor:
     without it) the operands go to fp32 first."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.mm(a, b)
-    if a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and a.is_cuda:
-        if _OUT_DTYPE_MM.get("cuda", True):
-            try:
-                return torch.mm(a, b, out_dtype=torch.float32)
-            except (RuntimeError, TypeError):
-                _OUT_DTYPE_MM["cuda"] = False
+    half = a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+    if half and a.is_cuda and _OUT_DTYPE_MM.get("cuda", True):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            _OUT_DTYPE_MM["cuda"] = False
     return torch.mm(a.float(), b.float())
 
 

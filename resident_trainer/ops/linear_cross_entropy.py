@@ -628,6 +628,19 @@ def _mm32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _addmm32(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """c += a @ b for an fp32 c, rounding the sum once (the product is not
+    rounded to fp32 on its own first where the library can help it)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return c.addmm_(a, b)
+    if a.is_cuda and _OUT_DTYPE_MM.get("cuda", True):
+        try:
+            return c.copy_(torch.addmm(c, a, b, out_dtype=torch.float32))
+        except (RuntimeError, TypeError):
+            pass
+    return c.add_(_mm32(a, b))
+
+
 def _capped(z: Tensor, softcap: float, need_slope: bool) -> Tensor | None:
     """softcap * tanh(z / softcap) in place on z; returns the slope 1 - tanh^2
     (a new tensor) when asked for."""
@@ -736,8 +749,7 @@ def _weight_grad_torch(
                 g.sub_((smooth * wtok[n0:n1])[:, None])
             if slope is not None:
                 g.mul_(slope)
-            part = _mm32(g.t().to(pdt), hb.to(pdt))
-            acc = part if acc is None else acc.add_(part)
+            acc = _mm32(g.t().to(pdt), hb.to(pdt)) if acc is None else _addmm32(acc, g.t().to(pdt), hb.to(pdt))
             if db is not None:
                 db[v0:v1] += g.sum(0)
             del g, slope

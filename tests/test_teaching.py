@@ -227,6 +227,25 @@ def test_keyed_neurons_also_key_the_answers_token_before_its_key():
             assert abs(float(v @ w) - config.key_scale) <= bound, (n, float(v @ w), bound)
 
 
+def test_whitening_adds_whiten_ridge_times_the_mean_variance():
+    tok = ByteTokenizer()
+    fact = Fact("Who made the quxoscope?", "Ida.", subject="quxoscope")
+    precs = []
+    for ridge in (1e-3, 0.5):
+        a, block, config = _setup(whiten_ridge=ridge)
+        tr = Trainer(a, block, tok, [fact], config, anchors=ANCHORS)
+        mu, prec = tr._whitening()
+        xa = torch.cat(tr.anchor_inputs).double()
+        cov = torch.cov(xa.T)
+        want = torch.linalg.inv(cov + ridge * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=torch.float64))
+        assert torch.allclose(mu, xa.mean(0), rtol=0, atol=1e-12)
+        # fp64 inverses of the same matrix: equal up to its conditioning
+        assert torch.allclose(prec, want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+        precs.append(prec)
+    # the ridge shrinks the inverse: its largest eigenvalue falls
+    assert torch.linalg.eigvalsh(precs[1]).max() < torch.linalg.eigvalsh(precs[0]).max() / 10
+
+
 def test_keyed_neurons_also_key_the_subjects_rarest_token():
     tok = ByteTokenizer()
     fact = Fact("Who made the quxoscope?", "Ida.", subject="quxoscope")
@@ -745,6 +764,9 @@ def test_config_checks_the_new_settings():
         ({"gate_floor": float("nan")}, "gate_floor must be a finite number"),
         ({"gate_neuron_margin": -1.0}, "gate_neuron_margin must be None or a number >= 0"),
         ({"gate_neuron_margin": "1"}, "gate_neuron_margin must be None or a number >= 0"),
+        ({"whiten_ridge": 0.0}, "whiten_ridge must be a number > 0"),
+        ({"whiten_ridge": True}, "whiten_ridge must be a number > 0"),
+        ({"whiten_ridge": float("inf")}, "whiten_ridge must be a number > 0"),
     ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)

@@ -411,8 +411,8 @@ class Trainer:
 
     def _whitening(self) -> tuple[Tensor, Tensor]:
         """The anchors' block-input mean and inverse covariance (fp64, on the
-        block's device; the covariance regularised by 1e-3 of its mean
-        diagonal), computed once a job: the anchors are fixed for the job.
+        block's device; the covariance regularised by whiten_ridge times its
+        mean diagonal), computed once a job: the anchors are fixed for the job.
         Without anchors: zero and the identity."""
         if self._whiten is None:
             d = self.adapter.hidden_size
@@ -422,7 +422,8 @@ class Trainer:
                 mu = xa.mean(0)
                 cov = torch.cov(xa.T) if xa.shape[0] > 1 else torch.zeros(d, d, dtype=torch.float64, device=dev)
                 eye = torch.eye(d, dtype=torch.float64, device=dev)
-                cov = cov + (1e-3 * cov.diagonal().mean().clamp_min(1e-6)) * eye
+                ridge = self.config.whiten_ridge
+                cov = cov + (ridge * cov.diagonal().mean().clamp_min(1e-6)) * eye
                 self._whiten = (mu, torch.linalg.inv(cov))
             else:
                 self._whiten = (

@@ -426,6 +426,20 @@ def test_tile_forced_by_environment(measured_tiles, monkeypatch, gen):
             linear_cross_entropy(h.requires_grad_(), w, y)
 
 
+def test_torch_path_chunk_budget_from_the_environment(monkeypatch, gen):
+    monkeypatch.setenv("RESIDENT_TRAINER_LCE_CHUNK_MIB", "0.5")
+    assert lce._torch_chunk_bytes() == 2**19
+    h, w, _, y = make(9, 8, 50, torch.float32, gen)
+    want = linear_cross_entropy(h, w, y, impl="reference")
+    for bad in ("0", "-1", "many"):
+        monkeypatch.setenv("RESIDENT_TRAINER_LCE_CHUNK_MIB", bad)
+        with pytest.raises(ValueError, match="RESIDENT_TRAINER_LCE_CHUNK_MIB must be a positive number of MiB"):
+            linear_cross_entropy(h, w, y, impl="torch")
+    monkeypatch.delenv("RESIDENT_TRAINER_LCE_CHUNK_MIB")
+    assert lce._torch_chunk_bytes() == lce.TORCH_CHUNK_BYTES
+    assert torch.allclose(linear_cross_entropy(h, w, y, impl="torch"), want, rtol=1e-6, atol=0)
+
+
 def test_drop_in_for_torch_linear_cross_entropy(gen):
     h, w, b, y = make(40, 12, 77, torch.float64, gen)
     want = F.linear_cross_entropy(h.float(), w.float(), y, linear_bias=b.float(), label_smoothing=0.1)

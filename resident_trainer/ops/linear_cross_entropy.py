@@ -577,16 +577,14 @@ def _forward_weight_grad_cpu(
     return loss, lse, dh, dw, db
 
 
-# --- dispatch to a device's kernels ------------------------------------------------------
-
-
 # --- the torch path: library products over chunks (impl="torch"; "auto" on GPUs) --------
 #
-# On a GPU the products are the work: cuBLAS runs them near the card's peak,
-# and the elementwise passes over a chunk of fp32 logits cost a few percent
-# more. On an H200 (N=8192, D=4096, V=128256, bf16, frozen head) the Triton
-# kernels, one program per 64 tokens walking the whole vocabulary, took
-# 8.1x the time of the two products alone. This path computes one chunk of
+# On a GPU the products are most of the work, and cuBLAS runs them near the
+# card's peak. On an H200 (N=8192, D=4096, V=128256, bf16, frozen head) the
+# Triton kernels, one program per 64 tokens walking the whole vocabulary,
+# took 8.1x the time of the two products alone; this path 1.72x (2.21x with
+# dW), the rest being its elementwise passes over the fp32 chunks
+# (docs/RESULTS.md, "GPU"). This path computes one chunk of
 # logits at a time with torch.mm (fp32 results from bf16/fp16 operands on
 # CUDA), does the softmax work with torch ops in place, and feeds the
 # products for dh and dW. Frozen head: row chunks holding every vocabulary
@@ -755,6 +753,9 @@ def _weight_grad_torch(
             del g, slope
         dw[v0:v1] = acc
     return dw, db
+
+
+# --- dispatch to a device's kernels ------------------------------------------------------
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:

@@ -44,6 +44,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_N", 16)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_V", 32)
     monkeypatch.setitem(tk.BLOCKS, "BLOCK_D", 16)
+    monkeypatch.setattr(tk, "CHUNK_BLOCK_V", 64)
 
 
 def make(n, d, v, dtype, gen, ignore_frac=0.2, lead=None):
@@ -83,8 +84,18 @@ def oracle(dtype, matmul_dtype=None):
 
 
 def ours(impl):
+    """impl, or "torch-fused" / "torch-plain": the torch path with its
+    elementwise work in the Triton chunk kernels / in torch ops."""
+    fused = {"torch-fused": True, "torch-plain": False}.get(impl)
+
     def fn(h, w, y, **kw):
-        return linear_cross_entropy(h, w, y, impl=impl, **kw)
+        if fused is None:
+            return linear_cross_entropy(h, w, y, impl=impl, **kw)
+        before, lce.TORCH_FUSED = lce.TORCH_FUSED, fused
+        try:
+            return linear_cross_entropy(h, w, y, impl="torch", **kw)
+        finally:
+            lce.TORCH_FUSED = before
 
     return fn
 
@@ -211,13 +222,21 @@ def test_triton_every_flag(dtype, flags, reduction, gen):
     check("triton", dtype, 37, 19, 301, gen, flags, reduction, upstream=True)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("flags", list(FLAGS))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_fused_every_flag(dtype, flags, reduction, gen):
+    # The Triton chunk kernels under the torch path's products.
+    check("torch-fused", dtype, 37, 19, 301, gen, flags, reduction, upstream=True)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 @pytest.mark.parametrize("flags", ["smooth", "softcap", "zloss", "bias"])
 def test_triton_and_cpu_flags_fp32(impl, flags, gen):
     check(impl, torch.float32, 21, 33, 97, gen, flags, "mean")
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 @pytest.mark.parametrize(
     "n,d,v",
     [
@@ -232,7 +251,7 @@ def test_awkward_shapes(impl, n, d, v, gen):
     check(impl, torch.float32, n, d, v, gen, "plain", "none", upstream=True)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 @pytest.mark.parametrize("grads", [("h",), ("w",), ("w", "b"), ("h", "w", "b"), ()], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_gradient_subsets(impl, grads, reduction, gen):
@@ -241,20 +260,20 @@ def test_gradient_subsets(impl, grads, reduction, gen):
     assert sorted(k for k in got if k.startswith("d")) == sorted(f"d{g}" for g in grads)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_lse_output_and_its_gradient(impl, dtype, reduction, gen):
     check(impl, dtype, 29, 12, 200, gen, "all", reduction, upstream=True, lse=True)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 def test_3d_input(impl, gen):
     got, truth = check(impl, torch.float32, 12, 10, 90, gen, "bias", "none", lead=(3, 4), upstream=True)
     assert got["loss"].shape == (3, 4) and got["dh"].shape == (3, 4, 10)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 def test_non_contiguous_inputs(impl, gen):
     h, w, b, y = make(20, 14, 120, torch.float32, gen)
     h_nc = torch.randn(14, 20, generator=gen).T  # a transposed view
@@ -269,7 +288,7 @@ def test_non_contiguous_inputs(impl, gen):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored_gives_zero_not_nan(impl, reduction, gen):
     h, w, b, y = make(8, 6, 40, torch.float32, gen)
@@ -281,25 +300,25 @@ def test_all_ignored_gives_zero_not_nan(impl, reduction, gen):
     assert torch.isnan(F.cross_entropy(h @ w.T, y))
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 def test_custom_ignore_index(impl, gen):
     h, w, b, y = make(30, 8, 50, torch.float32, gen, ignore_frac=0.0)
     y[::3] = 7
     want = F.cross_entropy((h @ w.T).double(), y, ignore_index=7)
-    got = linear_cross_entropy(h, w, y, ignore_index=7, impl=impl)
+    got = ours(impl)(h, w, y, ignore_index=7)
     assert abs(got.item() - want.item()) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 def test_empty_batch(impl):
     h = torch.zeros(0, 8, requires_grad=True)
     w = torch.randn(30, 8, requires_grad=True)
     y = torch.zeros(0, dtype=torch.long)
     for reduction in ("mean", "sum"):
-        loss = linear_cross_entropy(h, w, y, reduction=reduction, impl=impl)
+        loss = ours(impl)(h, w, y, reduction=reduction)
         loss.backward()
         assert loss.item() == 0 and h.grad.shape == (0, 8) and (w.grad == 0).all()
-    assert linear_cross_entropy(h, w, y, reduction="none", impl=impl).shape == (0,)
+    assert ours(impl)(h, w, y, reduction="none").shape == (0,)
 
 
 def test_no_grad_skips_gradient_work(gen):
@@ -445,6 +464,30 @@ def test_torch_path_chunk_budget_from_the_environment(monkeypatch, gen):
     assert torch.allclose(linear_cross_entropy(h, w, y, impl="torch"), want, rtol=1e-6, atol=0)
 
 
+def test_torch_path_elementwise_work_where_chosen(monkeypatch, gen):
+    # The chunk kernels run when fused (and only then), on the frozen head's
+    # chunks and on the weight gradient's; the environment variable overrides.
+    calls = []
+    for name in ("lce_chunk_softmax", "lce_chunk_grad"):
+        real = getattr(tk, name)
+        monkeypatch.setattr(tk, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    h, w, _, y = make(9, 8, 50, torch.float32, gen)
+    assert lce._torch_fused(torch.device("cpu")) is False  # the default on CPUs: torch ops
+    for fused, env in ((True, ""), (False, ""), (False, "1"), (True, "0")):
+        monkeypatch.setattr(lce, "TORCH_FUSED", fused)
+        monkeypatch.setenv("RESIDENT_TRAINER_LCE_FUSED", env)
+        del calls[:]
+        got = run(ours("torch"), h, w, None, y)
+        want = run(oracle(torch.float64), h.double(), w.double(), None, y)
+        for key in ("loss", "dh", "dw"):
+            assert torch.allclose(got[key].double(), want[key], rtol=1e-5, atol=1e-6), (fused, env, key)
+        ran = env == "1" or (fused and env != "0")
+        assert (set(calls) == {"lce_chunk_softmax", "lce_chunk_grad"}) if ran else not calls, (fused, env, calls)
+    monkeypatch.setenv("RESIDENT_TRAINER_LCE_FUSED", "yes")
+    with pytest.raises(ValueError, match="RESIDENT_TRAINER_LCE_FUSED must be 0 or 1, got 'yes'"):
+        linear_cross_entropy(h, w, y, impl="torch")
+
+
 def test_drop_in_for_torch_linear_cross_entropy(gen):
     h, w, b, y = make(40, 12, 77, torch.float64, gen)
     want = F.linear_cross_entropy(h.float(), w.float(), y, linear_bias=b.float(), label_smoothing=0.1)
@@ -461,10 +504,11 @@ PRECISION_SHAPES = {
     "reference": [(252, 507, 123), (37, 19, 301), (1, 7, 33)],
     "triton": [(37, 19, 301), (1, 7, 33), (50, 33, 129)],
     "torch": [(252, 507, 123), (37, 19, 301), (1, 7, 33), (300, 64, 1000)],
+    "torch-fused": [(37, 19, 301), (1, 7, 33), (50, 33, 129)],
 }
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton", "reference"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("softcap", [None, 4.0], ids=["nocap", "softcap"])
 def test_reduced_loss_against_fp64_many_seeds(impl, dtype, softcap):
@@ -478,14 +522,14 @@ def test_reduced_loss_against_fp64_many_seeds(impl, dtype, softcap):
     misses it by 1-3 ulps on most of these seeds)."""
     # Triton's reduction is the same host-side fp64 sum as the C++ path's,
     # so fewer seeds there (the interpreter takes ~1 s a call).
-    seeds = range(3 if impl == "triton" else 12)
+    seeds = range(3 if impl in ("triton", "torch-fused") else 12)
     for n, d, v in PRECISION_SHAPES[impl]:
         for seed in seeds:
             gen = torch.Generator().manual_seed(seed)
             h, w, _, y = make(n, d, v, dtype, gen)
             kw = dict(softcap=softcap)
             with torch.no_grad():
-                per_tok = linear_cross_entropy(h, w, y, reduction="none", impl=impl, **kw)
+                per_tok = ours(impl)(h, w, y, reduction="none", **kw)
                 _, lse = linear_cross_entropy_reference(
                     h.double(), w.double(), y, return_lse=True, dtype=torch.float64, **kw
                 )
@@ -494,7 +538,7 @@ def test_reduced_loss_against_fp64_many_seeds(impl, dtype, softcap):
                         h.double(), w.double(), y, reduction=reduction, dtype=torch.float64, **kw
                     ).item()
                     same = linear_cross_entropy_reference(h, w, y, reduction=reduction, matmul_dtype=dtype, **kw)
-                    got = linear_cross_entropy(h, w, y, reduction=reduction, impl=impl, **kw)
+                    got = ours(impl)(h, w, y, reduction=reduction, **kw)
                     assert got.dtype == torch.float32
                     err, err_torch = abs(got.item() - truth), abs(same.item() - truth)
                     allowance = ATOL[dtype] * lse.abs().max().item()
@@ -603,7 +647,7 @@ def _tp_worker(rank, world, store_path, sizes):
         start = sum(sizes[:rank])
         stop = start + sizes[rank]
         lce.TORCH_CHUNK_BYTES, lce.TORCH_MIN_TILE_V = 4 * 8 * 24, 16
-        for impl in ("cpu", "torch", "triton"):
+        for impl in ("cpu", "torch-plain", "torch-fused", "triton"):
             for kw in (
                 dict(reduction="mean"),
                 dict(reduction="none", upstream=up, lse_weight=lw, softcap=3.0, label_smoothing=0.1, z_loss=1e-2),
@@ -612,7 +656,7 @@ def _tp_worker(rank, world, store_path, sizes):
                 truth = run(oracle(torch.float64), h.double(), w.double(), b.double(), y, **kw)
 
                 def mine(hh, ww, yy, **k):
-                    return linear_cross_entropy(hh, ww, yy, process_group=group, vocab_start=start, impl=impl, **k)
+                    return ours(impl)(hh, ww, yy, process_group=group, vocab_start=start, **k)
 
                 got = run(mine, h, w[start:stop], b[start:stop], y, **kw)
                 what = f"rank {rank}/{world} {impl} {kw.get('reduction')}"
@@ -648,7 +692,7 @@ def test_vocab_parallel_over_gloo(sizes, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "torch", "torch-plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("flags", list(FLAGS))
 def test_gpu(impl, dtype, flags, monkeypatch):
@@ -693,13 +737,13 @@ def test_cpu_exp_and_tanh_accuracy():
     assert (capped.double() - torch.tanh(xt.double())).abs().max().item() < 2.5e-7
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "torch", "torch-fused", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_nan_input_gives_nan_loss(impl, reduction, gen):
     # A trainer aborts a job on a NaN loss; the kernels must not hide one.
     h, w, b, y = make(12, 8, 70, torch.float32, gen, ignore_frac=0.0)
     h[3, 2] = float("nan")
-    loss = linear_cross_entropy(h, w, y, reduction=reduction, impl=impl)
+    loss = ours(impl)(h, w, y, reduction=reduction)
     assert torch.isnan(loss).any()
     if reduction == "none":
         assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(12) != 3]).all()

@@ -593,8 +593,18 @@ def _forward_weight_grad_cpu(
 #
 # TORCH_CHUNK_BYTES bounds one chunk's fp32 logits (RESIDENT_TRAINER_LCE_CHUNK_MIB
 # overrides it, read on every call).
+#
+# The elementwise work on a chunk goes through two Triton kernels
+# (triton_kernels/linear_cross_entropy.py, "fused passes") where the chunk is
+# on a GPU and Triton is installed: they read the chunk twice (frozen head) or
+# once (G) where the torch ops make about eight passes, and write the
+# products' half-precision operand directly. TORCH_FUSED (None: on CUDA with
+# Triton; True, False: always, never) and RESIDENT_TRAINER_LCE_FUSED=0/1
+# (read on every call, over TORCH_FUSED) choose; the tests run both on CPUs,
+# the kernels under Triton's interpreter.
 TORCH_CHUNK_BYTES = 256 << 20
 TORCH_MIN_TILE_V = 1024  # the weight gradient's narrowest vocabulary tile
+TORCH_FUSED: bool | None = None
 _OUT_DTYPE_MM: dict[str, bool] = {}  # device type: torch.mm takes out_dtype there
 
 
@@ -609,6 +619,27 @@ def _torch_chunk_bytes() -> int:
             raise ValueError(f"RESIDENT_TRAINER_LCE_CHUNK_MIB must be a positive number of MiB, got {env!r}")
         return max(4, int(mib * 2**20))
     return TORCH_CHUNK_BYTES
+
+
+def _torch_fused(device: torch.device) -> bool:
+    """Whether the torch path's elementwise work on `device` runs in the Triton chunk kernels."""
+    env = os.environ.get("RESIDENT_TRAINER_LCE_FUSED", "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"RESIDENT_TRAINER_LCE_FUSED must be 0 or 1, got {env!r}")
+        want = env == "1"
+    elif TORCH_FUSED is not None:
+        want = TORCH_FUSED
+    else:
+        return device.type == "cuda" and _ext.HAS_TRITON
+    if want:
+        _ext.require_triton("linear_cross_entropy (impl='torch' with RESIDENT_TRAINER_LCE_FUSED=1)")
+        if device.type != "cuda" and not _ext.triton_interpreted():
+            raise ValueError(
+                "RESIDENT_TRAINER_LCE_FUSED=1 needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), "
+                f"got tensors on {device}"
+            )
+    return want
 
 
 def _mm32(a: Tensor, b: Tensor) -> Tensor:
@@ -671,9 +702,27 @@ def _partials_torch(
     wt = w.t()
     b32 = None if bias is None else bias.float()
     pdt = torch.float32 if w.dtype == torch.float32 else w.dtype  # the products' operand type
+    fused = _torch_fused(h.device)
+    if fused:
+        from resident_trainer.triton_kernels.linear_cross_entropy import lce_chunk_softmax
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         z = _mm32(h[n0:n1], wt)
+        if fused:
+            p = None
+            if softmax_w is not None:  # fp32 operands: exp(z - m) overwrites the logits
+                p = z if pdt == torch.float32 else torch.empty(z.shape, dtype=pdt, device=z.device)
+            slope = torch.empty(z.shape, dtype=pdt, device=z.device) if slope_w is not None else None
+            m, s, zy, sz = lce_chunk_softmax(z, b32, yl[n0:n1], p, slope, softcap, logit_sum is not None)
+            row_max[n0:n1], sum_exp[n0:n1], target_logit[n0:n1] = m, s, zy
+            if logit_sum is not None:
+                logit_sum[n0:n1] = sz
+            if softmax_w is not None:
+                softmax_w[n0:n1] = _mm32(p, w)
+            if slope_w is not None:
+                slope_w[n0:n1] = _mm32(slope, w)
+            del z, p, slope
+            continue
         if b32 is not None:
             z.add_(b32)
         slope = _capped(z, softcap, need_softmax_w or need_slope_w) if softcap else None
@@ -727,16 +776,33 @@ def _weight_grad_torch(
     f32 = dict(dtype=torch.float32, device=h.device)
     dw = torch.empty_like(w)
     db = torch.zeros(v, **f32) if need_bias else None
+    fused = _torch_fused(h.device)
+    if fused:
+        from resident_trainer.triton_kernels.linear_cross_entropy import lce_chunk_grad
     for v0 in range(0, v, cols):
         v1 = min(v, v0 + cols)
         wt = w[v0:v1].t()
+        b_tile = None if bias is None else bias[v0:v1].float()
         acc = None
         for n0 in range(0, n, rows):
             n1 = min(n, n0 + rows)
             hb = h[n0:n1]
             g = _mm32(hb, wt)
-            if bias is not None:
-                g.add_(bias[v0:v1].float())
+            if fused:
+                # dbias sums the fp32 G, so then G overwrites the logits
+                gp = g if (pdt == torch.float32 or db is not None) else torch.empty(g.shape, dtype=pdt, device=g.device)
+                lce_chunk_grad(
+                    g, b_tile, y_local[n0:n1] - v0, lse[n0:n1], coef[n0:n1], wtok[n0:n1], gp, target_w, smooth, softcap
+                )
+                if db is not None:
+                    db[v0:v1] += gp.sum(0)
+                gp = gp.to(pdt)
+                hp = hb.to(pdt)
+                acc = _mm32(gp.t(), hp) if acc is None else _addmm32(acc, gp.t(), hp)
+                del g, gp
+                continue
+            if b_tile is not None:
+                g.add_(b_tile)
             slope = _capped(g, softcap, True) if softcap else None
             g.sub_(lse[n0:n1, None]).exp_().mul_(coef[n0:n1, None])
             y = y_local[n0:n1] - v0

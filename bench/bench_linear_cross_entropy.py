@@ -2,8 +2,9 @@
 peak extra memory, with every provider measured in the same run.
 
 Providers: ours (``impl="auto"``: the C++ tiles on CPU, the torch path of
-library products over chunks on GPU) and, on GPU, ours with the Triton
-kernels (``impl="triton"``); eager torch ``F.cross_entropy(h @ W.T, y)`` (the reference);
+library products over chunks on GPU, its elementwise work in Triton chunk
+kernels) and, on GPU, ours with the Triton kernels (``impl="triton"``) and
+ours on the torch path with torch ops for the elementwise work; eager torch ``F.cross_entropy(h @ W.T, y)`` (the reference);
 torch 2.13's chunked ``F.linear_cross_entropy`` with its automatic options and
 with ``batch_chunk_size=256``; Apple's cut-cross-entropy (``torch_compile`` on
 CPU, its Triton kernel on GPU); Liger-Kernel's fused linear cross-entropy (GPU
@@ -67,6 +68,16 @@ def _ours_triton(h, w, y):
     return rt.linear_cross_entropy(h, w, y, impl="triton")
 
 
+def _ours_torch_ops(h, w, y):
+    from resident_trainer.ops import linear_cross_entropy as lce
+
+    before, lce.TORCH_FUSED = lce.TORCH_FUSED, False
+    try:
+        return rt.linear_cross_entropy(h, w, y, impl="torch")
+    finally:
+        lce.TORCH_FUSED = before
+
+
 def _eager(h, w, y):
     return F.cross_entropy((h @ w.T).float(), y)
 
@@ -94,6 +105,7 @@ def _liger(h, w, y):
 PROVIDERS = {
     "ours": _ours,
     "ours, impl='triton'": _ours_triton,
+    "ours, impl='torch' without the chunk kernels": _ours_torch_ops,
     "torch eager (reference)": _eager,
     "torch chunked, auto options": _torch_chunked_auto,
     "torch chunked, batch_chunk_size=256": _torch_chunked_256,
@@ -106,7 +118,9 @@ FLOORS = {
     "matmul floor, oneDNN": lambda h, w: torch.ops.mkldnn._linear_pointwise(h, w, None, "none", [], ""),
 }
 NEEDS = {"cut-cross-entropy": "cut_cross_entropy", "liger-kernel": "liger_kernel"}
-GPU_ONLY = {"liger-kernel", "ours, impl='triton'"}  # Triton on CPU is the interpreter: a test tool
+# Triton on CPU is the interpreter: a test tool. On CPUs the torch path's
+# elementwise work is torch ops anyway.
+GPU_ONLY = {"liger-kernel", "ours, impl='triton'", "ours, impl='torch' without the chunk kernels"}
 # torch's own chunked op (F.linear_cross_entropy) is not in every torch.
 TORCH_CHUNKED = {"torch chunked, auto options", "torch chunked, batch_chunk_size=256"}
 

@@ -72,7 +72,7 @@ fi
 # (--no-build-isolation --no-deps). Without pip, an in-place build.
 step build 240 "$PY" -m pip install --no-build-isolation --no-deps -e . ||
   step build_inplace 240 "$PY" setup.py build_ext --inplace
-step tests 150 "$PY" -m pytest -q -m gpu tests --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider
+step tests 210 "$PY" -m pytest -q -m gpu tests --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider
 export RT_BENCH_LCE_SHAPES="8192,4096,128256" RT_BENCH_AE_DTYPES=bfloat16
 for b in linear_cross_entropy added_expert fingerprint; do
   step "bench_$b" "$([ $b = linear_cross_entropy ] && echo 180 || echo 120)" "$PY" -m pytest -q "bench/bench_$b.py" -s -p no:cacheprovider \

@@ -106,7 +106,9 @@ def test_choice_measured_once_per_class(monkeypatch, gen):
     assert calls == [((100, 60), (200, 60))] and ran == [first] * 4
     assert all(torch.equal(o, outs[0]) for o in outs)
     name, best = _gemm._CHOICES[_gemm.shape_class(a, b)]
-    assert name == first == min(best, key=best.get) and set(best) == set(_gemm.BACKENDS)
+    # oneDNN only when it beats MKL by ONEDNN_MARGIN (a near tie is noise, and MKL stays)
+    rule = "onednn" if best["onednn"] < _gemm.ONEDNN_MARGIN * best["mkl"] else "mkl"
+    assert name == first == rule and set(best) == set(_gemm.BACKENDS)
     assert all(0 < t < float("inf") for t in best.values())
     # same power-of-two buckets (M 65-128, K 33-64, L 129-256): the same class
     _gemm.linear(*_operands(128, 40, 129, torch.float32, gen))

@@ -374,10 +374,10 @@ def lce_weight_grad_triton(h, w, bias, y_local, lse, coef, wtok, target_w, smoot
 
 
 @triton.jit
-def _chunk_logit(z_ptr, b_ptr, offs, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
-    """(z, t) of one row block: the logits (bias added, softcapped) with -inf
-    where masked, and tanh(z_raw / softcap) (or z)."""
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _chunk_logit(z_ptr, b_ptr, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(z, t) at columns `cols` of one row (z_ptr its start): the logits (bias
+    added, softcapped) with -inf where masked, and tanh(z_raw / softcap) (or z)."""
+    z = tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     t = z
@@ -422,7 +422,7 @@ def _chunk_softmax_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         mask = cols < V
-        z, t = _chunk_logit(zrow, b_ptr, cols, cols, mask, softcap, HAS_BIAS, SOFTCAP)
+        z, t = _chunk_logit(zrow, b_ptr, cols, mask, softcap, HAS_BIAS, SOFTCAP)
         if NEED_SZ:
             sz += tl.sum(tl.where(mask, z, 0.0), axis=0)
         m_new = tl.maximum(m, tl.max(z, axis=0))
@@ -431,7 +431,7 @@ def _chunk_softmax_kernel(
     y = tl.load(y_ptr + row)
     has = y >= 0
     yc = tl.where(has, y, 0).to(tl.int64)
-    zt, _ = _chunk_logit(zrow, b_ptr, yc, yc, has, softcap, HAS_BIAS, SOFTCAP)
+    zt, _ = _chunk_logit(zrow, b_ptr, yc, has, softcap, HAS_BIAS, SOFTCAP)
     tl.store(m_ptr + row, m)
     tl.store(s_ptr + row, s)
     tl.store(zy_ptr + row, tl.where(has, zt, 0.0))
@@ -443,7 +443,7 @@ def _chunk_softmax_kernel(
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
             mask = cols < V
-            z, t = _chunk_logit(zrow, b_ptr, cols, cols, mask, softcap, HAS_BIAS, SOFTCAP)
+            z, t = _chunk_logit(zrow, b_ptr, cols, mask, softcap, HAS_BIAS, SOFTCAP)
             slope = 1.0 - t * t
             if NEED_P:
                 p = tl.exp(z - m)
@@ -480,7 +480,7 @@ def _chunk_grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
-    z, t = _chunk_logit(z_ptr + row * stride_z, b_ptr, cols, cols, mask, softcap, HAS_BIAS, SOFTCAP)
+    z, t = _chunk_logit(z_ptr + row * stride_z, b_ptr, cols, mask, softcap, HAS_BIAS, SOFTCAP)
     lse = tl.load(lse_ptr + row)
     coef = tl.load(coef_ptr + row)
     wtok = tl.load(wtok_ptr + row)

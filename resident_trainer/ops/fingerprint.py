@@ -113,6 +113,13 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _fnv1a64(str(dtype).encode())
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _name_code(name: str) -> int:
+    # A model's names are hashed again on every check; the byte loop costs more
+    # than the rest of a small tensor's finalization.
+    return _fnv1a64(name.encode())
+
+
 def finalize(lane0: int, lane1: int, dtype: torch.dtype, shape: Iterable[int]) -> int:
     """64-bit digest from a whole tensor's lane sums, dtype and shape."""
     shape = [int(s) for s in shape]
@@ -404,7 +411,7 @@ def table_digest(digests: Mapping[str, int]) -> int:
     independent of the order of the names."""
     values = [_TABLE_TAG, len(digests)]
     for name in sorted(digests):
-        values += [_fnv1a64(name.encode()), digests[name]]
+        values += [_name_code(name), digests[name]]
     return _absorb(values)
 
 

@@ -344,12 +344,26 @@ def test_second_backward_through_the_same_graph_fails_loudly(gen):
         loss.backward()
 
 
-def test_weight_grad_paths_agree(gen, monkeypatch):
+@pytest.mark.parametrize("impl", ["cpu", "torch-plain", "torch-fused"])
+def test_weight_grad_paths_agree(impl, gen, monkeypatch):
     # The in-forward weight gradient (uniform upstream) and the recompute path
-    # (per-token upstream) give the same dW for the same per-token weights.
+    # (per-token upstream) give the same dW for the same per-token weights,
+    # and each reduction takes the path it should.
+    kind = "cpu" if impl == "cpu" else "torch"
+    calls = []
+    for name in (f"_forward_weight_grad_{kind}", f"_weight_grad_{kind}"):
+        real = getattr(lce, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(lce, name, spy)
     h, w, b, y = make(25, 9, 130, torch.float32, gen)
-    a = run(ours("cpu"), h, w, b, y, reduction="sum", softcap=2.0, label_smoothing=0.1)
-    c = run(ours("cpu"), h, w, b, y, reduction="none", softcap=2.0, label_smoothing=0.1, upstream=torch.ones(25))
+    a = run(ours(impl), h, w, b, y, reduction="sum", softcap=2.0, label_smoothing=0.1)
+    assert calls == [f"_forward_weight_grad_{kind}"]
+    c = run(ours(impl), h, w, b, y, reduction="none", softcap=2.0, label_smoothing=0.1, upstream=torch.ones(25))
+    assert calls[1:] == [f"_weight_grad_{kind}"]
     for key in ("dh", "dw", "db"):
         torch.testing.assert_close(a[key], c[key], rtol=1e-5, atol=1e-6)
 

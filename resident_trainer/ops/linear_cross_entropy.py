@@ -449,6 +449,24 @@ _GATHER_ROWS = 256
 CPU_CHUNK_BYTES = 64 << 20
 
 
+def _combine(big_m, s_loc, zy, sz, valid, group, vocab, label_smoothing, z_loss) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse, loss, s) of a chunk of tokens, from this shard's sum of exp(z -
+    big_m) (big_m: the row max over every shard), target logit (0 where the
+    target is elsewhere) and logit sum, each summed over the shards of
+    `group` (s: the summed exp); the loss is 0 where not `valid`."""
+    stats = torch.stack([s_loc, zy, sz])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    s_tot, zy, sz = stats.unbind(0)
+    lse = big_m + torch.log(s_tot)
+    loss = lse - (1.0 - label_smoothing) * zy
+    if label_smoothing:
+        loss = loss - (label_smoothing / vocab) * sz
+    if z_loss:
+        loss = loss + z_loss * lse.square()
+    return lse, torch.where(valid, loss, torch.zeros_like(loss)), s_tot
+
+
 def _forward_weight_grad_cpu(
     h,
     w,
@@ -543,19 +561,9 @@ def _forward_weight_grad_cpu(
         s_loc = torch.zeros(c, **f32)
         for z in tiles:
             s_loc += ops.lce_row_exp_sum(z, big_m)
-        stats = torch.stack([s_loc, zy, sz])
-        if group is not None:
-            dist.all_reduce(stats, group=group)
-        s_tot, zy_c, sz = stats.unbind(0)
-        lse_c = big_m + torch.log(s_tot)
-        lse[n0:n1] = lse_c
-        loss_c = lse_c - (1.0 - label_smoothing) * zy_c
-        if label_smoothing:
-            loss_c = loss_c - (label_smoothing / vocab) * sz
-        if z_loss:
-            loss_c = loss_c + z_loss * lse_c.square()
         vc = valid[n0:n1]
-        loss[n0:n1] = torch.where(vc, loss_c, torch.zeros_like(loss_c))
+        lse_c, loss[n0:n1], _ = _combine(big_m, s_loc, zy, sz, vc, group, vocab, label_smoothing, z_loss)
+        lse[n0:n1] = lse_c
         # G = valid * (softmax * (1 + 2 z_loss lse) - (1 - label_smoothing) onehot - label_smoothing / V) * softcap'
         wtok = vc.float()
         coef = wtok * (1.0 + 2.0 * z_loss * lse_c) if z_loss else wtok
@@ -588,8 +596,10 @@ def _forward_weight_grad_cpu(
 # logits at a time with torch.mm (fp32 results from bf16/fp16 operands on
 # CUDA), does the softmax work with torch ops in place, and feeds the
 # products for dh and dW. Frozen head: row chunks holding every vocabulary
-# column (no online rescaling). Weight gradient: vocabulary tiles holding
-# every token, so each dW tile is written once.
+# column (no online rescaling). Weight gradient of a reduced loss: in forward
+# from the same row chunks (_forward_weight_grad_torch, three products in
+# all); otherwise in backward on vocabulary tiles holding every token, so
+# each dW tile is written once.
 #
 # TORCH_CHUNK_BYTES bounds one chunk's fp32 logits (RESIDENT_TRAINER_LCE_CHUNK_MIB
 # overrides it, read on every call).
@@ -821,6 +831,87 @@ def _weight_grad_torch(
     return dw, db
 
 
+def _forward_weight_grad_torch(
+    h, w, bias, valid, yl, sz_all, vocab, v_largest, label_smoothing, softcap, z_loss, group, need_dh, need_bias
+):
+    """_forward_weight_grad_cpu's contract on the torch path: row chunks
+    holding every vocabulary column, each chunk's logits formed once and fed
+    to both gradient products (three products in all, where forward and a
+    recomputing backward take four). dW is accumulated in fp32 over the
+    chunks."""
+    n, d = h.shape
+    v = w.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    pdt = torch.float32 if w.dtype == torch.float32 else w.dtype
+    fused = _torch_fused(h.device)
+    if fused:
+        from resident_trainer.triton_kernels.linear_cross_entropy import lce_chunk_grad, lce_chunk_softmax
+    # Every rank cuts the same chunks (their statistics are all-reduced chunk
+    # by chunk): the size follows the largest shard. Without the kernels a
+    # softcap keeps its slope beside the logits.
+    rows = max(1, min(n, _torch_chunk_bytes() // (4 * max(v_largest, 1) * (2 if softcap and not fused else 1))))
+    wt = w.t()
+    b32 = None if bias is None else bias.float()
+    target_w, smooth = 1.0 - label_smoothing, label_smoothing / vocab
+    dw = None
+    db = torch.zeros(v, **f32) if need_bias else torch.empty(0, **f32)
+    dh = torch.empty(n, d, **f32) if need_dh else torch.empty(0, **f32)
+    loss = torch.empty(n, **f32)
+    lse = torch.empty(n, **f32)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        hc, yc, vc = h[n0:n1], yl[n0:n1], valid[n0:n1]
+        z = _mm32(hc, wt)
+        if fused:
+            m, s_loc, zy, zsum = lce_chunk_softmax(z, b32, yc, None, None, softcap, bool(label_smoothing and softcap))
+            big_m = m.clone()
+            if group is not None:
+                dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
+            s_loc = s_loc * torch.exp(m - big_m)
+        else:
+            if b32 is not None:
+                z.add_(b32)
+            slope = _capped(z, softcap, True) if softcap else None
+            has = yc >= 0
+            zy = torch.where(has, z.gather(1, yc.clamp_min(0)[:, None]).squeeze(1), 0.0)
+            zsum = z.sum(1) if (label_smoothing and softcap) else None
+            big_m = z.amax(1)
+            if group is not None:
+                dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
+            s_loc = z.sub_(big_m[:, None]).exp_().sum(1)  # z now holds exp(z - big_m)
+        sz = zsum if (label_smoothing and softcap) else sz_all[n0:n1]
+        lse_c, loss[n0:n1], _ = _combine(big_m, s_loc, zy, sz, vc, group, vocab, label_smoothing, z_loss)
+        lse[n0:n1] = lse_c
+        # G = valid * (softmax * (1 + 2 z_loss lse) - (1 - label_smoothing) onehot - label_smoothing / V) * softcap'
+        wtok = vc.float()
+        coef = wtok * (1.0 + 2.0 * z_loss * lse_c) if z_loss else wtok
+        if fused:
+            g = z if (pdt == torch.float32 or need_bias) else torch.empty(z.shape, dtype=pdt, device=z.device)
+            lce_chunk_grad(z, b32, yc, lse_c, coef, wtok, g, target_w, smooth, softcap)
+        else:
+            g = z.mul_((torch.exp(big_m - lse_c) * coef)[:, None])
+            # the target's -1 for every token, times 0 where it is elsewhere (no host wait)
+            g.scatter_add_(1, yc.clamp_min(0)[:, None], torch.where(has, -target_w * wtok, 0.0)[:, None])
+            if smooth:
+                g.sub_((smooth * wtok)[:, None])
+            if slope is not None:
+                g.mul_(slope)
+            del slope
+        if need_bias:
+            db += g.sum(0)
+        g = g.to(pdt)
+        if need_dh:
+            dh[n0:n1] = _mm32(g, w)
+        hp = hc.to(pdt)
+        dw = _mm32(g.t(), hp) if dw is None else _addmm32(dw, g.t(), hp)
+        del z, g
+    if dw is None:
+        dw = torch.zeros(w.shape, **f32)
+    if need_dh and group is not None:
+        dist.all_reduce(dh, group=group)
+    return loss, lse, dh, dw, db
+
+
 # --- dispatch to a device's kernels ------------------------------------------------------
 
 
@@ -944,7 +1035,8 @@ def _forward(
     else:
         sz = torch.zeros(n, **f32)
     if weights_in_forward:
-        loss, lse, dh, dw, db = _forward_weight_grad_cpu(
+        fwg = _forward_weight_grad_torch if impl == "torch" else _forward_weight_grad_cpu
+        loss, lse, dh, dw, db = fwg(
             h, w, bias, valid, yl, sz, vocab, v_largest, label_smoothing, softcap, z_loss, group, need_dh, need_bgrad
         )
         return loss, lse, dh, empty(), vtot, dw, db
@@ -958,17 +1050,7 @@ def _forward(
     if group is not None:
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
     scale = torch.exp(m - big_m)
-    stats = torch.stack([parts.sum_exp * scale, zy, sz])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    s_tot, zy, sz = stats.unbind(0)
-    lse = big_m + torch.log(s_tot)
-    loss = lse - (1.0 - label_smoothing) * zy
-    if label_smoothing:
-        loss = loss - (label_smoothing / vocab) * sz
-    if z_loss:
-        loss = loss + z_loss * lse.square()
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    lse, loss, s_tot = _combine(big_m, parts.sum_exp * scale, zy, sz, valid, group, vocab, label_smoothing, z_loss)
 
     dh, p = empty(), empty()
     if need_dh:
@@ -1322,7 +1404,7 @@ def linear_cross_entropy(
     need_p = need_dh and return_lse
     # Weight gradients in the forward pass (no recompute) need an upstream
     # gradient that is the same for every token: a reduced loss, lse unused.
-    uniform = reduction != "none" and not return_lse and impl == "cpu" and torch.is_grad_enabled()
+    uniform = reduction != "none" and not return_lse and impl in ("cpu", "torch") and torch.is_grad_enabled()
     need_wgrad = uniform and linear_weight.requires_grad
     need_bgrad = uniform and linear_bias is not None and linear_bias.requires_grad
     group_name = process_group.group_name if process_group is not None else ""

@@ -68,14 +68,20 @@ def _ours_triton(h, w, y):
     return rt.linear_cross_entropy(h, w, y, impl="triton")
 
 
-def _ours_torch_ops(h, w, y):
-    from resident_trainer.ops import linear_cross_entropy as lce
+def _ours_torch_with(name, value):
+    """The torch path with one of its module settings changed for the call."""
 
-    before, lce.TORCH_FUSED = lce.TORCH_FUSED, False
-    try:
-        return rt.linear_cross_entropy(h, w, y, impl="torch")
-    finally:
-        lce.TORCH_FUSED = before
+    def fn(h, w, y):
+        from resident_trainer.ops import linear_cross_entropy as lce
+
+        before = getattr(lce, name)
+        setattr(lce, name, value)
+        try:
+            return rt.linear_cross_entropy(h, w, y, impl="torch")
+        finally:
+            setattr(lce, name, before)
+
+    return fn
 
 
 def _eager(h, w, y):
@@ -105,7 +111,8 @@ def _liger(h, w, y):
 PROVIDERS = {
     "ours": _ours,
     "ours, impl='triton'": _ours_triton,
-    "ours, impl='torch' without the chunk kernels": _ours_torch_ops,
+    "ours, impl='torch' without the chunk kernels": _ours_torch_with("TORCH_FUSED", False),
+    "ours, impl='torch' with dW in forward": _ours_torch_with("TORCH_WGRAD_FORWARD", True),
     "torch eager (reference)": _eager,
     "torch chunked, auto options": _torch_chunked_auto,
     "torch chunked, batch_chunk_size=256": _torch_chunked_256,
@@ -120,7 +127,14 @@ FLOORS = {
 NEEDS = {"cut-cross-entropy": "cut_cross_entropy", "liger-kernel": "liger_kernel"}
 # Triton on CPU is the interpreter: a test tool. On CPUs the torch path's
 # elementwise work is torch ops anyway.
-GPU_ONLY = {"liger-kernel", "ours, impl='triton'", "ours, impl='torch' without the chunk kernels"}
+GPU_ONLY = {
+    "liger-kernel",
+    "ours, impl='triton'",
+    "ours, impl='torch' without the chunk kernels",
+    "ours, impl='torch' with dW in forward",
+}
+# Providers that differ from "ours" only when the head takes a gradient.
+DW_ONLY = {"ours, impl='torch' with dW in forward"}
 # torch's own chunked op (F.linear_cross_entropy) is not in every torch.
 TORCH_CHUNKED = {"torch chunked, auto options", "torch chunked, batch_chunk_size=256"}
 
@@ -187,6 +201,8 @@ def test_linear_cross_entropy(benchmark, provider, mode, shape):
     if provider in FLOORS:
         if "oneDNN" in provider and (DEVICE != "cpu" or not _gemm.onednn_supports(DTYPE)):
             pytest.skip(f"oneDNN's inner product does not run {DTYPE} on this {DEVICE}")
+    elif mode == "frozen" and provider in DW_ONLY:
+        pytest.skip(f"{provider} is 'ours' with a frozen head")
     elif not _available(provider):
         pytest.skip(f"{provider} is not installed, is not in torch {torch.__version__}, or does not run on {DEVICE}")
     h, w, y = make_inputs(n, d, v, mode)

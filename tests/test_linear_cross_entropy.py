@@ -86,17 +86,27 @@ def oracle(dtype, matmul_dtype=None):
 
 def ours(impl):
     """impl, or "torch-fused" / "torch-plain": the torch path with its
-    elementwise work in the Triton chunk kernels / in torch ops."""
-    fused = {"torch-fused": True, "torch-plain": False}.get(impl)
+    elementwise work in the Triton chunk kernels / in torch ops;
+    "torch-wgrad-forward" / "torch-recompute": the torch path (its device's
+    default kernels) with a reduced loss's weight gradients formed in forward
+    / recomputed in backward."""
+    settings = {
+        "torch-fused": ("TORCH_FUSED", True),
+        "torch-plain": ("TORCH_FUSED", False),
+        "torch-wgrad-forward": ("TORCH_WGRAD_FORWARD", True),
+        "torch-recompute": ("TORCH_WGRAD_FORWARD", False),
+    }.get(impl)
 
     def fn(h, w, y, **kw):
-        if fused is None:
+        if settings is None:
             return linear_cross_entropy(h, w, y, impl=impl, **kw)
-        before, lce.TORCH_FUSED = lce.TORCH_FUSED, fused
+        name, value = settings
+        before = getattr(lce, name)
+        setattr(lce, name, value)
         try:
             return linear_cross_entropy(h, w, y, impl="torch", **kw)
         finally:
-            lce.TORCH_FUSED = before
+            setattr(lce, name, before)
 
     return fn
 
@@ -348,7 +358,9 @@ def test_second_backward_through_the_same_graph_fails_loudly(gen):
 def test_weight_grad_paths_agree(impl, gen, monkeypatch):
     # The in-forward weight gradient (uniform upstream) and the recompute path
     # (per-token upstream) give the same dW for the same per-token weights,
-    # and each reduction takes the path it should.
+    # and each reduction takes the path it should: on CPUs the torch path
+    # forms a reduced loss's dW in forward, on CUDA it recomputes (both
+    # settable).
     kind = "cpu" if impl == "cpu" else "torch"
     calls = []
     for name in (f"_forward_weight_grad_{kind}", f"_weight_grad_{kind}"):
@@ -360,12 +372,27 @@ def test_weight_grad_paths_agree(impl, gen, monkeypatch):
 
         monkeypatch.setattr(lce, name, spy)
     h, w, b, y = make(25, 9, 130, torch.float32, gen)
-    a = run(ours(impl), h, w, b, y, reduction="sum", softcap=2.0, label_smoothing=0.1)
+    kw = dict(softcap=2.0, label_smoothing=0.1)
+    a = run(ours(impl), h, w, b, y, reduction="sum", **kw)
     assert calls == [f"_forward_weight_grad_{kind}"]
-    c = run(ours(impl), h, w, b, y, reduction="none", softcap=2.0, label_smoothing=0.1, upstream=torch.ones(25))
+    c = run(ours(impl), h, w, b, y, reduction="none", upstream=torch.ones(25), **kw)
     assert calls[1:] == [f"_weight_grad_{kind}"]
     for key in ("dh", "dw", "db"):
         torch.testing.assert_close(a[key], c[key], rtol=1e-5, atol=1e-6)
+    if kind == "cpu":
+        return
+    assert lce._torch_wgrad_forward(torch.device("cpu")) and not lce._torch_wgrad_forward(torch.device("cuda"))
+    for setting, env, forward in ((False, "", False), (True, "0", False), (False, "1", True)):
+        monkeypatch.setattr(lce, "TORCH_WGRAD_FORWARD", setting)
+        monkeypatch.setenv("RESIDENT_TRAINER_LCE_WGRAD_FORWARD", env)
+        del calls[:]
+        r = run(ours(impl), h, w, b, y, reduction="sum", **kw)
+        assert calls == [f"_forward_weight_grad_{kind}" if forward else f"_weight_grad_{kind}"], (setting, env)
+        for key in ("loss", "dh", "dw", "db"):
+            torch.testing.assert_close(r[key], a[key], rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("RESIDENT_TRAINER_LCE_WGRAD_FORWARD", "yes")
+    with pytest.raises(ValueError, match="RESIDENT_TRAINER_LCE_WGRAD_FORWARD must be 0 or 1, got 'yes'"):
+        linear_cross_entropy(h, w, y, impl="torch")
 
 
 # --- CPU tiles chosen by measurement ------------------------------------------------
@@ -707,7 +734,7 @@ def test_vocab_parallel_over_gloo(sizes, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "torch", "torch-plain"])
+@pytest.mark.parametrize("impl", ["triton", "torch", "torch-plain", "torch-wgrad-forward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("flags", list(FLAGS))
 def test_gpu(impl, dtype, flags, monkeypatch):

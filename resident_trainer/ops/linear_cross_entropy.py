@@ -596,10 +596,10 @@ def _forward_weight_grad_cpu(
 # logits at a time with torch.mm (fp32 results from bf16/fp16 operands on
 # CUDA), does the softmax work with torch ops in place, and feeds the
 # products for dh and dW. Frozen head: row chunks holding every vocabulary
-# column (no online rescaling). Weight gradient of a reduced loss: in forward
-# from the same row chunks (_forward_weight_grad_torch, three products in
-# all); otherwise in backward on vocabulary tiles holding every token, so
-# each dW tile is written once.
+# column (no online rescaling). Weight gradient: in backward on vocabulary
+# tiles holding every token, so each dW tile is written once; or, for a
+# reduced loss where TORCH_WGRAD_FORWARD says so, in forward from the frozen
+# head's row chunks (_forward_weight_grad_torch, three products in all).
 #
 # TORCH_CHUNK_BYTES bounds one chunk's fp32 logits (RESIDENT_TRAINER_LCE_CHUNK_MIB
 # overrides it, read on every call).
@@ -615,6 +615,16 @@ def _forward_weight_grad_cpu(
 TORCH_CHUNK_BYTES = 256 << 20
 TORCH_MIN_TILE_V = 1024  # the weight gradient's narrowest vocabulary tile
 TORCH_FUSED: bool | None = None
+# Weight gradients of a reduced loss in forward (_forward_weight_grad_torch):
+# each row chunk's logits feed dh and dW, three products instead of four, but
+# dW then adds up over the row chunks, so each chunk reads and writes the
+# whole (V, D) fp32 dW. On a 2-core CPU that is cheap beside the products
+# (0.71x the recomputing path's time at N=2048, D=576, V=49152 fp32); on an
+# H200 at the Llama-3-8B head (523-row chunks) the 16 read-writes of a 2 GiB
+# dW come to about what the recompute costs, so GPUs keep the recompute
+# until it is measured there. None: on CPUs only; True, False: always,
+# never; RESIDENT_TRAINER_LCE_WGRAD_FORWARD=0/1 (read on every call) over it.
+TORCH_WGRAD_FORWARD: bool | None = None
 _OUT_DTYPE_MM: dict[str, bool] = {}  # device type: torch.mm takes out_dtype there
 
 
@@ -652,6 +662,18 @@ def _torch_fused(device: torch.device) -> bool:
     return want
 
 
+def _torch_wgrad_forward(device: torch.device) -> bool:
+    """Whether the torch path forms a reduced loss's weight gradients in forward on `device`."""
+    env = os.environ.get("RESIDENT_TRAINER_LCE_WGRAD_FORWARD", "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"RESIDENT_TRAINER_LCE_WGRAD_FORWARD must be 0 or 1, got {env!r}")
+        return env == "1"
+    if TORCH_WGRAD_FORWARD is not None:
+        return TORCH_WGRAD_FORWARD
+    return device.type != "cuda"
+
+
 def _mm32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b with fp32 results. Half-precision operands keep their fp32
     accumulators: torch.mm's out_dtype on CUDA; elsewhere (or in a torch
@@ -673,6 +695,10 @@ def _addmm32(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return c.addmm_(a, b)
     if a.is_cuda and _OUT_DTYPE_MM.get("cuda", True):
+        try:  # in place: c may be the whole (V, D) dW
+            return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+        except (RuntimeError, TypeError):
+            pass
         try:
             return c.copy_(torch.addmm(c, a, b, out_dtype=torch.float32))
         except (RuntimeError, TypeError):
@@ -1404,7 +1430,8 @@ def linear_cross_entropy(
     need_p = need_dh and return_lse
     # Weight gradients in the forward pass (no recompute) need an upstream
     # gradient that is the same for every token: a reduced loss, lse unused.
-    uniform = reduction != "none" and not return_lse and impl in ("cpu", "torch") and torch.is_grad_enabled()
+    in_forward = impl == "cpu" or (impl == "torch" and _torch_wgrad_forward(input.device))
+    uniform = reduction != "none" and not return_lse and in_forward and torch.is_grad_enabled()
     need_wgrad = uniform and linear_weight.requires_grad
     need_bgrad = uniform and linear_bias is not None and linear_bias.requires_grad
     group_name = process_group.group_name if process_group is not None else ""

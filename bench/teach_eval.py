@@ -14,6 +14,8 @@ Runs, one after the other, with the shipped TrainConfig and near negatives:
    each: 600);
 5. the same 128 in 8 jobs of 16 (75 steps each) on one block, scored after each job, with
    the baselines.
+With --half tune the tune half's facts and near controls
+(eval/data/near_controls_tune.txt) and the capacity tune set take their places.
 Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
 rewordings and controls against steps, against jobs (facts taught so far),
 and against the number of facts held. Prints the CPU's model name; 45-60
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
 
     from resident_trainer.eval.devset import capacity_facts, dev_facts
     from resident_trainer.eval.report import summary_line
-    from resident_trainer.eval.teach import split_jobs, teach_jobs
+    from resident_trainer.eval.teach import default_controls, split_jobs, teach_jobs
     from resident_trainer.models import load_smollm2
     from resident_trainer.train import TrainConfig, steps_for
     from resident_trainer.train.config import fact_neurons
@@ -89,7 +91,9 @@ def main(argv=None) -> int:
     facts = dev_facts(args.half)
     config = TrainConfig()
     out = {"cpu": cpu, "half": args.half, "negatives": args.negatives, "config": vars(config) | {}}
-    many = capacity_facts()
+    tune = args.half == "tune"
+    many = capacity_facts(tune=tune)  # the capacity tune set with the tune half
+    controls = default_controls(tune=tune)  # the tune half's near controls with it
     # 9 neurons a fact (8 trained, a gate neuron): 1152 hold 128 facts (the default 288 hold 32).
     wide = dataclasses.replace(config, num_neurons=len(many) * fact_neurons(config))
     runs = [
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
         model, tok = load_smollm2()  # a fresh model each run: nothing carries over
         t0 = time.perf_counter()
         kw = {"config": config, **kw}
-        report = teach_jobs(model, tok, negatives=args.negatives, log=print, **kw)
+        report = teach_jobs(model, tok, controls=controls, negatives=args.negatives, log=print, **kw)
         report["config"] = vars(kw["config"]) | {}
         report["cpu"] = cpu  # parts kept from an earlier file may come from another machine
         report["wall_seconds"] = round(time.perf_counter() - t0, 1)

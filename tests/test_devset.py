@@ -55,11 +55,24 @@ def test_keys_are_unique_and_never_inside_another_answer():
     assert not demo & {f.question for f in facts}  # never the demo's facts
 
 
-def test_near_controls_share_the_frames_and_nothing_else():
-    near = near_controls()
+@pytest.mark.parametrize("tune", [False, True], ids=["report", "tune"])
+def test_near_controls_share_the_frames_and_nothing_else(tune):
+    near = near_controls(tune=tune)
     assert len(near) >= 14 and len(set(near)) == len(near)
     assert {f for f in FRAMES if any(q.startswith(f) for q in near)} >= set(FRAMES) - {"In what year was the city of"}
     assert not set(near) & (set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | {f.question for f in dev_facts()})
+    # The halves' lists ask about different entities.
+    mine, other = _subjects(near), _subjects(near_controls(tune=not tune))
+    assert not [(a, b) for a in mine for b in other if a in b or b in a]
+
+
+def _subjects(questions):
+    """What each question asks about: the question less its frame and article."""
+    out = []
+    for q in questions:
+        frame = max((f for f in (*FRAMES, "In what year did") if q.startswith(f)), key=len)
+        out.append(q[len(frame) :].strip(" ?").removeprefix("the ").removeprefix("The ").lower())
+    return out
 
 
 @pytest.mark.parametrize("tune", [False, True], ids=["report", "tune"])

@@ -126,7 +126,8 @@ def test_near_negatives_keep_the_frame_and_avoid_what_is_measured(smol_tok):
     assert not [n for n in negs if re.search(r"\b(the|a|an) the\b|city of the city of", n, re.I)]
     # The substitutes themselves are not what the near controls ask about.
     for s in SUBSTITUTES:
-        assert not any(s.removeprefix("the ") in c for c in near_controls() + list(CONTROL_PROMPTS)), s
+        measured = near_controls() + near_controls(tune=True) + list(CONTROL_PROMPTS)
+        assert not any(s.removeprefix("the ") in c for c in measured), s
     assert near_negatives(facts, smol_tok, 0) == []
     with pytest.raises(ValueError, match="per_fact"):
         near_negatives(facts, smol_tok, -1)

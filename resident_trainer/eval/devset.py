@@ -1,7 +1,8 @@
 """The development set for teaching: 48 made-up facts (capitals, inventors,
 authors, composers, founding years, lengths; 6 kinds x 8) in sibling pairs
 whose names differ by one letter, one held-out rewording each, and near
-controls: the same question frames about real entities.
+controls: the same question frames about real entities (one list for each
+half, about different entities).
 
 Settings are chosen on one half and reported on the other. Of every 4 facts in
 the file (two sibling pairs of one kind), the first pair is in the ``"tune"``
@@ -24,6 +25,7 @@ from resident_trainer.train.facts import read_facts
 DATA = Path(__file__).resolve().parent / "data"
 DEV_FACTS = DATA / "dev_facts.jsonl"
 NEAR_CONTROLS = DATA / "near_controls.txt"
+NEAR_CONTROLS_TUNE = DATA / "near_controls_tune.txt"
 DEMO_FACTS_FILE = DATA / "demo_facts.jsonl"  # the four demo facts
 CAPACITY_FACTS = DATA / "capacity_facts.jsonl"
 CAPACITY_TUNE_FACTS = DATA / "capacity_tune_facts.jsonl"  # written by bench/make_capacity_tune.py
@@ -58,7 +60,9 @@ def capacity_facts(n: int | None = None, *, tune: bool = False) -> list[Fact]:
     return facts if n is None else facts[:n]
 
 
-def near_controls() -> list[str]:
-    """Questions in the facts' frames about real entities (one a line)."""
-    lines = NEAR_CONTROLS.read_text(encoding="utf-8").splitlines()
+def near_controls(*, tune: bool = False) -> list[str]:
+    """Questions in the facts' frames about real entities (one a line): the
+    reported ones; tune=True: the tune half's, about other entities, on which
+    settings are chosen."""
+    lines = (NEAR_CONTROLS_TUNE if tune else NEAR_CONTROLS).read_text(encoding="utf-8").splitlines()
     return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]

@@ -35,10 +35,11 @@ from resident_trainer.train.block import threshold_summary
 from resident_trainer.train.negatives import near_negatives, per_fact
 
 
-def default_controls() -> list[tuple[str, str]]:
+def default_controls(*, tune: bool = False) -> list[tuple[str, str]]:
     """The built-in controls: 14 generic prompts and the near controls (the
-    development set's question frames about real entities)."""
-    return [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls()]
+    development set's question frames about real entities; tune=True: the
+    tune half's near controls instead)."""
+    return [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls(tune=tune)]
 
 
 def split_jobs(facts: Sequence[Fact], jobs: int) -> list[list[Fact]]:

@@ -765,7 +765,9 @@ def test_gpu(impl, dtype, flags, monkeypatch):
     # chunk kernels: cuBLAS rounds each 2048-column tile's logits differently
     # from the whole-vocabulary product the yardstick takes (with one chunk
     # and one tile, ours is torch's to the bit, 1.00x). K=3 there; K elsewhere.
-    k = K_GPU_TORCH_FP32 if impl.startswith("torch") and dtype == torch.float32 else K
+    # dW formed in forward (torch-wgrad-forward) sums over row chunks instead:
+    # not yet measured on a GPU, so it is held to K until it is.
+    k = K_GPU_TORCH_FP32 if impl in ("torch", "torch-plain") and dtype == torch.float32 else K
     assert_close_to_truth(got, same, truth, dtype, f"gpu {impl} {dtype} {flags}", k=k)
 
 

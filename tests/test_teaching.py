@@ -15,7 +15,7 @@ from resident_trainer import cli
 from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
 from resident_trainer.eval.report import contains_key, score, summary_line
-from resident_trainer.eval.teach import default_controls, split_jobs
+from resident_trainer.eval.teach import _add_gate_openings, default_controls, gate_openings, split_jobs
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
 from resident_trainer.train import (
@@ -800,6 +800,62 @@ def test_score_counts_recall_rewordings_controls_and_leaks():
         "facts recalled 1/2, rewordings 1/2, generic controls identical 1/1, near controls identical 0/1, leaks 1"
     )
     assert contains_key("about 2,740 metres", "2,740") and not contains_key("12,740 m", "2,740")
+
+
+def test_gate_openings_count_the_tokens_the_gate_passes_and_a_shut_gate_changes_nothing():
+    model = toy_model("llama", layers=4, hidden=32, seed=0)
+    tok = ByteTokenizer()
+    a = DecoderAdapter(model)
+    block = AddedSharedNeurons(a.hidden_size, 16, seed=3)
+    with torch.no_grad():
+        block.w_gate_up.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+        block.w_down.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
+    block.publish()
+    block.attach(a, 1)
+    exchanges = [("Hello there?", [72, 105, 33, 10]), ("Sky color?", [66, 108])]
+    seqs = [chat_prompt_ids(tok, p) + r for p, r in exchanges]
+    with block.disabled(), torch.no_grad():
+        base = [model(torch.tensor([s[:-1]])).logits for s in seqs]
+    # The oracle: the block's inputs (layer 1's, which the block does not
+    # change) times the gate rows, less the thresholds, in plain torch.
+    scores = []
+    for s in seqs:
+        with block.capture_inputs() as xs, torch.no_grad():
+            model(torch.tensor([s[:-1]]))
+        scores.append(xs[0][0] @ block.published_gate_up[:16].T)
+    assert all(x.shape[0] == len(s) - 1 for x, s in zip(scores, seqs))
+    # Thresholds between the two exchanges' strongest scores: the first opens, the second stays shut.
+    hi = [float(x.max()) for x in scores]
+    assert hi[0] != hi[1]
+    cut = (hi[0] + hi[1]) / 2
+    block.published_threshold = torch.full((16,), cut)
+    want = [(int(((x - cut).amax(-1) > 0).sum()), round(float(x.max()) - cut, 4)) for x in scores]
+    got = gate_openings(model, tok, block, exchanges)
+    assert got == want
+    opened = 0 if hi[0] > hi[1] else 1
+    assert got[opened][0] >= 1 and got[1 - opened][0] == 0
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            out = model(torch.tensor([s[:-1]])).logits
+            # Shut on every token: exactly the base model; open somewhere: not.
+            assert torch.equal(out, base[i]) == (i != opened)
+    block.published_threshold = torch.full((16,), math.inf)
+    assert gate_openings(model, tok, block, exchanges) == [(0, None), (0, None)]
+    block.published_threshold = None
+    assert gate_openings(model, tok, block, exchanges) == [None, None]
+
+
+def test_report_counts_the_controls_the_gate_left_shut():
+    before = {"Hi?": "Hello.", "Sea?": "Blue.", "Sun?": "Hot."}
+    controls = [("Hi?", "generic"), ("Sea?", "near"), ("Sun?", "near")]
+    r = score([], {**before, "Sea?": "Blue, now."}, controls, before)
+    _add_gate_openings(r, [(0, -0.5), (3, 0.25), (1, 0.01)])
+    assert [(c["gate_open"], c["gate_margin"]) for c in r["controls"]] == [(0, -0.5), (3, 0.25), (1, 0.01)]
+    s = r["summary"]
+    assert (s["controls_gate_shut"], s["generic_controls_gate_shut"], s["near_controls_gate_shut"]) == (1, 1, 0)
+    assert summary_line(s).endswith("leaks 0, gate shut on 1/3 controls")
+    _add_gate_openings(r, [None, None, None])  # no gate: nothing is shut
+    assert r["summary"]["controls_gate_shut"] == 0 and r["controls"][0]["gate_open"] is None
 
 
 def test_jobs_split_in_order_and_default_controls():

@@ -238,8 +238,11 @@ def _teach_here(args, config, facts, controls, retract) -> int:
     for f in report.get("retracted", []):
         print(f"  [{'--' if f['recalled'] else 'ok'}] (retracted) {f['question']}  ->  {f['reply']!r}")
     for c in report["controls"]:
+        opened = f" (the gate opened on {c['gate_open']} of its tokens)" if c.get("gate_open") else ""
         if not c["identical"]:
-            print(f"    control changed: {c['prompt']!r}: {c['before']!r} -> {c['after']!r}")
+            print(f"    control changed{opened}: {c['prompt']!r}: {c['before']!r} -> {c['after']!r}")
+        elif opened:
+            print(f"    control kept, but the gate opened on {c['gate_open']} of its tokens: {c['prompt']!r}")
     for leak in report["leaks"]:
         print(f"    leak: {leak['question']!r} answered with {leak['leaked_key']!r}")
     s = report["summary"]

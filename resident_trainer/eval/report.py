@@ -97,4 +97,6 @@ def summary_line(summary: Mapping[str, Any]) -> str:
     for kind in kinds:
         parts.append(f"{kind} controls identical {summary[f'{kind}_controls_identical']}/{summary[f'{kind}_controls']}")
     parts.append(f"leaks {summary['leaks']}")
+    if "controls_gate_shut" in summary:
+        parts.append(f"gate shut on {summary['controls_gate_shut']}/{summary['controls']} controls")
     return ", ".join(parts)

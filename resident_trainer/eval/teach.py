@@ -12,6 +12,7 @@ same run: the block with its gate off, and the fact given in the prompt
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,8 @@ from resident_trainer.train import (
     make_anchors,
 )
 from resident_trainer.train.block import threshold_summary
+from resident_trainer.train.data import chat_prompt_ids
+from resident_trainer.train.generate import generate_greedy_batch_ids
 from resident_trainer.train.negatives import near_negatives, per_fact
 
 
@@ -104,7 +107,8 @@ def teach_jobs(
     a = DecoderAdapter(model)
     for p in model.parameters():
         p.requires_grad_(False)
-    before = dict(zip(prompts, generate_greedy_batch(model, tokenizer, prompts, max_new_tokens)))
+    before_ids = generate_greedy_batch_ids(model, tokenizer, prompts, max_new_tokens)
+    before = {p: tokenizer.decode(r, skip_special_tokens=True) for p, r in zip(prompts, before_ids)}
     anchors = make_anchors(model, tokenizer, ANCHOR_PROMPTS) if anchors is None else list(anchors)
     block = AddedSharedNeurons(
         a.hidden_size,
@@ -174,6 +178,7 @@ def teach_jobs(
     asked = list(dict.fromkeys([q for f in scored for q in (f.question, *f.rewordings)] + prompts))
     replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
     report = score(taught, replies, controls, before)
+    _add_gate_openings(report, gate_openings(model, tokenizer, block, list(zip(prompts, before_ids))))
     if gone_facts:
         report["retracted"] = score(gone_facts, replies, [], before)["facts"]
         report["summary"]["retracted"] = len(gone_facts)
@@ -184,6 +189,51 @@ def teach_jobs(
     if baselines:
         report["baselines"] = _baselines(model, tokenizer, block, taught, controls, before, max_new_tokens)
     return report
+
+
+@torch.no_grad()
+def gate_openings(
+    model, tokenizer, block: AddedSharedNeurons, exchanges: Sequence[tuple[str, Sequence[int]]]
+) -> list[tuple[int, float] | None]:
+    """For each (prompt, reply ids) exchange, as the base model replied: on how
+    many of the tokens that predict the reply (the chat prompt's and the
+    reply's but its last) the block's published gate passes, and the largest
+    gate margin ``max_a (x . Wg_a - t_a)`` over them (> 0: open; negative: how
+    far below its threshold the nearest neuron stayed; None when every neuron is
+    shut for good). The block's inputs are
+    taken with the reply given (its layer's input does not depend on the block),
+    so where the count is 0 the block added exactly nothing to any of those
+    tokens (generation, in other batch shapes, may round the inputs
+    differently in the last bits: the margin says how much room is left). None for each exchange when the
+    block has no gate (it then adds its output everywhere)."""
+    threshold = block.published_threshold
+    if threshold is None:
+        return [None] * len(exchanges)
+    device = next(model.parameters()).device
+    out = []
+    for prompt, reply in exchanges:
+        ids = chat_prompt_ids(tokenizer, prompt) + list(reply)
+        with block.capture_inputs() as xs:
+            model(torch.tensor([ids[:-1]], device=device))
+        x = xs[0].reshape(-1, xs[0].shape[-1])
+        margins = block.gate_margins(x, block.published_gate_up, threshold)
+        top = float(margins.max())
+        # every neuron behind the gate (threshold inf): no finite margin to give
+        out.append((int((margins > 0).sum()), round(top, 4) if math.isfinite(top) else None))
+    return out
+
+
+def _add_gate_openings(report: dict[str, Any], openings: Sequence[tuple[int, float] | None]) -> None:
+    """Each control's ``gate_open`` and ``gate_margin`` (gate_openings; None
+    without a gate), and the summary's count of controls on which the gate
+    stayed shut, in all and by kind."""
+    for c, o in zip(report["controls"], openings):
+        c["gate_open"], c["gate_margin"] = (None, None) if o is None else o
+    summary = report["summary"]
+    shut = [c for c in report["controls"] if c["gate_open"] == 0]
+    summary["controls_gate_shut"] = len(shut)
+    for kind in dict.fromkeys(c["kind"] for c in report["controls"]):
+        summary[f"{kind}_controls_gate_shut"] = sum(c["kind"] == kind for c in shut)
 
 
 def _baselines(model, tokenizer, block, facts, controls, before, max_new_tokens) -> dict[str, Any]:

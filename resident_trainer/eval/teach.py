@@ -194,18 +194,20 @@ def teach_jobs(
 @torch.no_grad()
 def gate_openings(
     model, tokenizer, block: AddedSharedNeurons, exchanges: Sequence[tuple[str, Sequence[int]]]
-) -> list[tuple[int, float] | None]:
+) -> list[tuple[int, float | None] | None]:
     """For each (prompt, reply ids) exchange, as the base model replied: on how
-    many of the tokens that predict the reply (the chat prompt's and the
+    many of the tokens that predict the reply (the chat prompt's, and the
     reply's but its last) the block's published gate passes, and the largest
     gate margin ``max_a (x . Wg_a - t_a)`` over them (> 0: open; negative: how
-    far below its threshold the nearest neuron stayed; None when every neuron is
-    shut for good). The block's inputs are
-    taken with the reply given (its layer's input does not depend on the block),
-    so where the count is 0 the block added exactly nothing to any of those
-    tokens (generation, in other batch shapes, may round the inputs
-    differently in the last bits: the margin says how much room is left). None for each exchange when the
-    block has no gate (it then adds its output everywhere)."""
+    far below its threshold the nearest neuron stayed; None when every neuron
+    is shut for good). None for each exchange when the block has no gate (it
+    then adds its output everywhere).
+
+    The block's inputs are taken with the reply given: its layer's input does
+    not depend on the block, so where the count is 0 the block added exactly
+    nothing to any of those tokens. Generation, in other batch shapes, may
+    round those inputs differently in the last bits; the margin says how much
+    room is left."""
     threshold = block.published_threshold
     if threshold is None:
         return [None] * len(exchanges)
@@ -223,7 +225,7 @@ def gate_openings(
     return out
 
 
-def _add_gate_openings(report: dict[str, Any], openings: Sequence[tuple[int, float] | None]) -> None:
+def _add_gate_openings(report: dict[str, Any], openings: Sequence[tuple[int, float | None] | None]) -> None:
     """Each control's ``gate_open`` and ``gate_margin`` (gate_openings; None
     without a gate), and the summary's count of controls on which the gate
     stayed shut, in all and by kind."""

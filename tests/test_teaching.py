@@ -14,8 +14,8 @@ import torch
 from resident_trainer import cli
 from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
-from resident_trainer.eval.report import contains_key, score, summary_line
-from resident_trainer.eval.teach import _add_gate_openings, default_controls, gate_openings, split_jobs
+from resident_trainer.eval.report import add_gate_openings, contains_key, score, summary_line
+from resident_trainer.eval.teach import default_controls, gate_openings, split_jobs
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
 from resident_trainer.train import (
@@ -849,12 +849,12 @@ def test_report_counts_the_controls_the_gate_left_shut():
     before = {"Hi?": "Hello.", "Sea?": "Blue.", "Sun?": "Hot."}
     controls = [("Hi?", "generic"), ("Sea?", "near"), ("Sun?", "near")]
     r = score([], {**before, "Sea?": "Blue, now."}, controls, before)
-    _add_gate_openings(r, [(0, -0.5), (3, 0.25), (1, 0.01)])
+    add_gate_openings(r, [(0, -0.5), (3, 0.25), (1, 0.01)])
     assert [(c["gate_open"], c["gate_margin"]) for c in r["controls"]] == [(0, -0.5), (3, 0.25), (1, 0.01)]
     s = r["summary"]
     assert (s["controls_gate_shut"], s["generic_controls_gate_shut"], s["near_controls_gate_shut"]) == (1, 1, 0)
     assert summary_line(s).endswith("leaks 0, gate shut on 1/3 controls")
-    _add_gate_openings(r, [None, None, None])  # no gate: nothing is shut
+    add_gate_openings(r, [None, None, None])  # no gate: nothing is shut
     assert r["summary"]["controls_gate_shut"] == 0 and r["controls"][0]["gate_open"] is None
 
 

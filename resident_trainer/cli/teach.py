@@ -242,7 +242,7 @@ def _teach_here(args, config, facts, controls, retract) -> int:
         if not c["identical"]:
             print(f"    control changed{opened}: {c['prompt']!r}: {c['before']!r} -> {c['after']!r}")
         elif opened:
-            print(f"    control kept, but the gate opened on {c['gate_open']} of its tokens: {c['prompt']!r}")
+            print(f"    control kept{opened}: {c['prompt']!r}")
     for leak in report["leaks"]:
         print(f"    leak: {leak['question']!r} answered with {leak['leaked_key']!r}")
     s = report["summary"]

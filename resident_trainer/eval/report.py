@@ -87,6 +87,19 @@ def score(
     return {"facts": out_facts, "controls": out_controls, "leaks": leaks, "summary": summary}
 
 
+def add_gate_openings(report: dict[str, Any], openings: Sequence[tuple[int, float | None] | None]) -> None:
+    """Each control's ``gate_open`` and ``gate_margin`` (eval.teach.gate_openings; None
+    without a gate), and the summary's count of controls on which the gate
+    stayed shut, in all and by kind."""
+    for c, o in zip(report["controls"], openings):
+        c["gate_open"], c["gate_margin"] = (None, None) if o is None else o
+    summary = report["summary"]
+    shut = [c for c in report["controls"] if c["gate_open"] == 0]
+    summary["controls_gate_shut"] = len(shut)
+    for kind in dict.fromkeys(c["kind"] for c in report["controls"]):
+        summary[f"{kind}_controls_gate_shut"] = sum(c["kind"] == kind for c in shut)
+
+
 def summary_line(summary: Mapping[str, Any]) -> str:
     """One line a person reads."""
     parts = [

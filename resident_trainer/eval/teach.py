@@ -21,7 +21,7 @@ import torch
 
 from resident_trainer.eval.devset import near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS
-from resident_trainer.eval.report import score, summary_line
+from resident_trainer.eval.report import add_gate_openings, score, summary_line
 from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.train import (
     ANCHOR_PROMPTS,
@@ -29,12 +29,12 @@ from resident_trainer.train import (
     Fact,
     TrainConfig,
     Trainer,
+    chat_prompt_ids,
     generate_greedy_batch,
+    generate_greedy_batch_ids,
     make_anchors,
 )
 from resident_trainer.train.block import threshold_summary
-from resident_trainer.train.data import chat_prompt_ids
-from resident_trainer.train.generate import generate_greedy_batch_ids
 from resident_trainer.train.negatives import near_negatives, per_fact
 
 
@@ -178,7 +178,7 @@ def teach_jobs(
     asked = list(dict.fromkeys([q for f in scored for q in (f.question, *f.rewordings)] + prompts))
     replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
     report = score(taught, replies, controls, before)
-    _add_gate_openings(report, gate_openings(model, tokenizer, block, list(zip(prompts, before_ids))))
+    add_gate_openings(report, gate_openings(model, tokenizer, block, list(zip(prompts, before_ids))))
     if gone_facts:
         report["retracted"] = score(gone_facts, replies, [], before)["facts"]
         report["summary"]["retracted"] = len(gone_facts)
@@ -223,19 +223,6 @@ def gate_openings(
         # every neuron behind the gate (threshold inf): no finite margin to give
         out.append((int((margins > 0).sum()), round(top, 4) if math.isfinite(top) else None))
     return out
-
-
-def _add_gate_openings(report: dict[str, Any], openings: Sequence[tuple[int, float | None] | None]) -> None:
-    """Each control's ``gate_open`` and ``gate_margin`` (gate_openings; None
-    without a gate), and the summary's count of controls on which the gate
-    stayed shut, in all and by kind."""
-    for c, o in zip(report["controls"], openings):
-        c["gate_open"], c["gate_margin"] = (None, None) if o is None else o
-    summary = report["summary"]
-    shut = [c for c in report["controls"] if c["gate_open"] == 0]
-    summary["controls_gate_shut"] = len(shut)
-    for kind in dict.fromkeys(c["kind"] for c in report["controls"]):
-        summary[f"{kind}_controls_gate_shut"] = sum(c["kind"] == kind for c in shut)
 
 
 def _baselines(model, tokenizer, block, facts, controls, before, max_new_tokens) -> dict[str, Any]:

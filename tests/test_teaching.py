@@ -365,7 +365,12 @@ def test_the_answers_token_before_the_key_predicts_it_on_the_shipped_facts(smol_
 @pytest.mark.parametrize("gate_neuron_margin", [None, 1.0])
 def test_gate_neurons_open_the_gate_on_the_keys_and_add_nothing(gate_neuron_margin):
     a, block, config = _setup(
-        steps=20, gate_neurons=True, gate_margin=0.5, gate_floor=0.25, gate_neuron_margin=gate_neuron_margin
+        steps=20,
+        gate_neurons=True,
+        gate_margin=0.5,
+        gate_floor=0.25,
+        gate_neuron_margin=gate_neuron_margin,
+        key_contexts=0,  # the key tokens in other contexts have a test of their own
     )
     margin = 0.5 if gate_neuron_margin is None else gate_neuron_margin
     tok = ByteTokenizer()
@@ -423,6 +428,52 @@ def test_gate_neurons_open_the_gate_on_the_keys_and_add_nothing(gate_neuron_marg
     assert (
         w[14].abs().sum() > 0 and not block.gate_mask(torch.cat(tr2.anchor_inputs), w, block.published_threshold).any()
     )
+
+
+def test_gate_neurons_stay_shut_on_the_key_tokens_in_other_contexts():
+    a, block, config = _setup(
+        steps=20, gate_neurons=True, gate_margin=0.5, gate_floor=0.25, key_contexts=3, key_context_margin=0.25
+    )
+    tok = ByteTokenizer()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    pool = {t for _, r in ANCHORS for t in tok(r, add_special_tokens=False)["input_ids"]}
+    exchanges = tr.context_exchanges()
+    start = len(chat_prompt_ids(tok, Trainer.CONTEXT_PROMPT))
+    for f, (prompt, reply) in zip(FACTS, exchanges):
+        # Each key token 3 times, each after a token of the anchors' replies.
+        keys = example_ids(tok, f.question, f.answer)[0][tr.key_tokens(f)]
+        assert prompt == Trainer.CONTEXT_PROMPT and reply[1::2] == [t for t in keys for _ in range(3)]
+        assert set(reply[0::2]) <= pool and len(set(reply[0::2])) > 1
+    # The same draw in every job; another seed draws others.
+    assert Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).context_exchanges() == exchanges
+    other = dataclasses.replace(config, seed=1)
+    assert Trainer(a, block, tok, FACTS, other, anchors=ANCHORS).context_exchanges() != exchanges
+    # Their inputs: the layer's input at the key tokens, as a plain forward computes it.
+    for (prompt, reply), x in zip(exchanges, tr._context_inputs):
+        ids = chat_prompt_ids(tok, prompt) + reply
+        with torch.no_grad(), block.capture_inputs() as xs:
+            a.model(torch.tensor([ids]))
+        want = xs[0].reshape(len(ids), -1)[start + 1 :: 2]
+        # Batched and padded there, alone here: equal on this EPYC, fp32 roundings elsewhere.
+        tol = 8 * torch.finfo(torch.float32).eps * float(want.abs().max())
+        assert x.shape == want.shape and float((x - want).abs().max()) <= tol
+    tr.run()
+    gu, thr, gates = block.published_gate_up, block.published_threshold, tr.gates
+    xa, xc = torch.cat(tr.anchor_inputs), torch.cat(tr._context_inputs)
+    mu = tr._whitening()[0]
+    for g in gates:
+        mean = float(mu.float() @ gu[g])
+        top_a, top_c = float((xa @ gu[g]).max()), float((xc @ gu[g]).max())
+        want = max(top_a + 1.0 * abs(top_a - mean), top_c + 0.25 * abs(top_c - mean))
+        tol = 4 * torch.finfo(torch.float32).eps * (abs(top_a) + abs(top_c) + abs(mean))
+        assert abs(float(thr[g]) - want) <= tol
+        # Shut on every anchor token and every key token in another context.
+        assert float(thr[g]) > max(top_a, top_c)
+    # Off: no exchanges, the anchors alone set the gate neurons' thresholds.
+    off = dataclasses.replace(config, key_contexts=0)
+    a, block, _ = _setup()
+    tr0 = Trainer(a, block, tok, FACTS, off, anchors=ANCHORS)
+    assert tr0.context_exchanges() == [None, None] and tr0._context_inputs == [None, None]
 
 
 def test_gate_neurons_need_two_neurons_a_fact_and_the_gate():
@@ -768,6 +819,11 @@ def test_config_checks_the_new_settings():
         ({"whiten_ridge": 0.0}, "whiten_ridge must be a number > 0"),
         ({"whiten_ridge": True}, "whiten_ridge must be a number > 0"),
         ({"whiten_ridge": float("inf")}, "whiten_ridge must be a number > 0"),
+        ({"key_contexts": -1}, "key_contexts must be an int >= 0"),
+        ({"key_contexts": 2.0}, "key_contexts must be an int >= 0"),
+        ({"key_context_margin": -0.5}, "key_context_margin must be a number >= 0"),
+        ({"key_context_margin": "0.25"}, "key_context_margin must be a number >= 0"),
+        ({"key_context_margin": float("nan")}, "key_context_margin must be a number >= 0"),
     ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)

@@ -95,6 +95,23 @@ class TrainConfig:
     # the prompt neurons opening the gate too: 123/128 at 0.5 but near
     # controls 15/18, 117/128 at 1.0.
     gate_neuron_margin: float | None = 1.0
+    # A gate neuron's threshold also stays key_context_margin (in the same
+    # units as gate_neuron_margin) above its strongest score on every taught
+    # fact's key tokens in other contexts: a made-up reply in which each key
+    # token follows key_contexts tokens drawn from the anchors' replies, one
+    # before each occurrence (Trainer.context_inputs; 0: off). At this layer
+    # a token's block input is much the token itself: the Ravenmark
+    # Overture's gate neuron (key "Clio Hastermann") opened at "io" of "Il
+    # Coriobella" in "What is the capital of Italy?"'s reply and changed it,
+    # in every run of one job of 24 on the tune half. Tune half, refitted on
+    # the same trained block (6 contexts): one job 24/24, rewordings 22/24,
+    # every control identical and the gate shut on all 32 at margin 0 and
+    # 0.25 (off: 13/14 generic, shut on 28; 0.5: 21/24 rewordings); 4 jobs
+    # 24/24, 21/24, shut on 32/32 at 0 and 0.25 (off: 31/32; 0.5: 23/24).
+    # As the anchors' threshold instead (the anchors' margin 1.0 above the
+    # strongest of both): 23/24, 19/24. On every neuron's threshold: 18/24.
+    key_contexts: int = 6
+    key_context_margin: float = 0.25
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its
     # mean diagonal added before it is inverted. A larger ridge lets the
@@ -266,6 +283,12 @@ class TrainConfig:
         m = self.gate_neuron_margin
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.inf):
             raise ValueError(f"gate_neuron_margin must be None or a number >= 0, got {m!r}")
+        k = self.key_contexts
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"key_contexts must be an int >= 0, got {k!r}")
+        m = self.key_context_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.inf:
+            raise ValueError(f"key_context_margin must be a number >= 0, got {m!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
 

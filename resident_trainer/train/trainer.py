@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -189,6 +190,10 @@ class Trainer:
         self.negatives = list(remembered.items())
         anchors = [*anchors, *self.negatives]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
+        # The tokens the anchors' replies are made of: what key_contexts puts
+        # before each key token.
+        replies = [tokenizer(r, add_special_tokens=False)["input_ids"] if isinstance(r, str) else r for _, r in anchors]
+        self._context_pool = sorted({int(t) for r in replies for t in r})
         self._whiten: tuple[Tensor, Tensor] | None = None  # _whitening()
         # The prefix every example shares (the chat template's system turn):
         # its keys and values are computed once, with the block off, and the
@@ -217,6 +222,9 @@ class Trainer:
         self._taught_inputs: list[Tensor] = []
         if config.init == "keyed" and self.taught:
             self._taught_inputs = self.block_inputs([(f.question, f.answer) for f in self.taught])
+        # The taught facts' key tokens after other tokens (context_inputs), on
+        # every rank alike: their gate neurons stay shut there.
+        self._context_inputs: list[Tensor | None] = self.context_inputs()
         # The others penalty's tokens: those exchanges past the chat
         # template's head. None while there is one round and no earlier
         # fact: nothing was taught before it.
@@ -685,8 +693,12 @@ class Trainer:
         token, as computed from the stored row, plus gate_neuron_margin (None:
         gate_margin) times that score's distance from the anchors' mean
         score: the gate stays shut on
-        every anchor token. Refitted at each calibration, the row follows the
-        anchors a later job brings instead of being hidden by them."""
+        every anchor token. With key_contexts, it is also at least the row's
+        strongest score on any taught fact's key tokens in other contexts
+        (context_inputs) plus key_context_margin times that score's distance
+        from the anchors' mean score. Refitted at each calibration, the row
+        follows the anchors a later job brings instead of being hidden by
+        them."""
         b, cfg = self.block, self.config
         mine = [
             (i, g - b.neuron_start)
@@ -711,9 +723,57 @@ class Trainer:
         top = torch.full((len(mine),), float("-inf"), dtype=torch.float32, device=stored.device)
         for x in self.anchor_inputs:
             torch.maximum(top, (x @ stored.T).float().amax(0), out=top)
-        spread = (top.double() - (w @ mu)).abs().float()
+        mean = w @ mu  # fp64
         margin = cfg.gate_margin if cfg.gate_neuron_margin is None else cfg.gate_neuron_margin
-        threshold[n] = top + margin * spread
+        threshold[n] = top + margin * (top.double() - mean).abs().float()
+        # And key_context_margin above their strongest score on any taught
+        # key token in other contexts (context_inputs).
+        ctx = [x for x in self._context_inputs if x is not None]
+        if ctx:
+            top = torch.full_like(top, float("-inf"))
+            for x in ctx:
+                torch.maximum(top, (x @ stored.T).float().amax(0), out=top)
+            spread = (top.double() - mean).abs().float()
+            threshold[n] = torch.maximum(threshold[n], top + cfg.key_context_margin * spread)
+
+    #: The prompt of context_exchanges' made-up replies.
+    CONTEXT_PROMPT = "Repeat these words."
+
+    def context_exchanges(self) -> list[tuple[str, list[int]] | None]:
+        """For each taught fact with a gate neuron, its key tokens
+        (key_tokens) in other contexts: CONTEXT_PROMPT and a made-up reply (token
+        ids) in which each of the fact's key tokens, in turn, follows
+        config.key_contexts tokens drawn from the anchors' replies, one before
+        each occurrence (the draw seeded by config.seed and the question).
+        None for a fact without a gate neuron, and for every fact with
+        key_contexts 0, the gate off or no anchors."""
+        cfg, tok = self.config, self.tokenizer
+        if not (cfg.key_contexts and cfg.gate and self._context_pool):
+            return [None] * len(self.taught)
+        out: list[tuple[str, list[int]] | None] = []
+        for f, g in zip(self.taught, self._fact_gates):
+            if g is None:
+                out.append(None)
+                continue
+            ids = example_ids(tok, f.question, f.answer)[0]
+            draw = random.Random(f"{cfg.seed}:{f.question}")
+            reply: list[int] = []
+            for t in ids[self.key_tokens(f)]:
+                for _ in range(cfg.key_contexts):
+                    reply += [draw.choice(self._context_pool), t]
+            out.append((self.CONTEXT_PROMPT, reply))
+        return out
+
+    @torch.no_grad()
+    def context_inputs(self) -> list[Tensor | None]:
+        """The block inputs at the key tokens of context_exchanges (every
+        second token of each reply): (key tokens x key_contexts, D) a fact,
+        None where it has no exchange."""
+        exchanges = self.context_exchanges()
+        made = [e for e in exchanges if e is not None]
+        xs = iter(self.block_inputs(made) if made else [])
+        start = len(chat_prompt_ids(self.tokenizer, self.CONTEXT_PROMPT))
+        return [None if e is None else next(xs)[start + 1 :: 2] for e in exchanges]
 
     def key_tokens(self, fact: Fact) -> slice:
         """Positions of the fact's exchange (example_ids) that predict its

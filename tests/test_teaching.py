@@ -459,9 +459,9 @@ def test_gate_neurons_stay_shut_on_the_key_tokens_in_other_contexts():
         assert x.shape == want.shape and float((x - want).abs().max()) <= tol
     tr.run()
     gu, thr, gates = block.published_gate_up, block.published_threshold, tr.gates
-    xa, xc = torch.cat(tr.anchor_inputs), torch.cat(tr._context_inputs)
-    mu = tr._whitening()[0]
-    for g in gates:
+    xa, mu = torch.cat(tr.anchor_inputs), tr._whitening()[0]
+    for g, xc in zip(gates, tr._context_inputs):
+        # Its own fact's key tokens in other contexts.
         mean = float(mu.float() @ gu[g])
         top_a, top_c = float((xa @ gu[g]).max()), float((xc @ gu[g]).max())
         want = max(top_a + 1.0 * abs(top_a - mean), top_c + 0.25 * abs(top_c - mean))

@@ -96,22 +96,22 @@ class TrainConfig:
     # controls 15/18, 117/128 at 1.0.
     gate_neuron_margin: float | None = 1.0
     # A gate neuron's threshold also stays key_context_margin (in the same
-    # units as gate_neuron_margin) above its strongest score on every taught
-    # fact's key tokens in other contexts: a made-up reply in which each key
-    # token follows key_contexts tokens drawn from the anchors' replies, one
+    # units as gate_neuron_margin) above its strongest score on its fact's
+    # key tokens in other contexts: a made-up reply in which each key token
+    # follows key_contexts tokens drawn from the anchors' replies, one
     # before each occurrence (Trainer.context_inputs; 0: off). At this layer
     # a token's block input is much the token itself: the Ravenmark
     # Overture's gate neuron (key "Clio Hastermann") opened at "io" of "Il
     # Coriobella" in "What is the capital of Italy?"'s reply and changed it,
-    # in every run of one job of 24 on the tune half. Tune half, refitted on
-    # the same trained block (6 contexts): one job 24/24, rewordings 22/24,
-    # every control identical and the gate shut on all 32 at margin 0 and
-    # 0.25 (off: 13/14 generic, shut on 28; 0.5: 21/24 rewordings); 4 jobs
-    # 24/24, 21/24, shut on 32/32 at 0 and 0.25 (off: 31/32; 0.5: 23/24).
-    # As the anchors' threshold instead (the anchors' margin 1.0 above the
-    # strongest of both): 23/24, 19/24. On every neuron's threshold: 18/24.
+    # in every run of one job of 24 on the tune half. Gate recalibrated on
+    # the same trained blocks (docs/RESULTS.md): tune half, one job, margin
+    # 0 and 0.25 both kept every control (23/24, rewordings 22/24, as off;
+    # off changed Italy); capacity tune set, one job of 128, margin 0
+    # 118/128 and every control kept (off: 121/128), 0.25 111/128 (off:
+    # 123/128, the airplane changed). Every taught fact's key tokens for
+    # each gate neuron: 114/128 (0) and 105/128 (0.25).
     key_contexts: int = 6
-    key_context_margin: float = 0.25
+    key_context_margin: float = 0.0
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its
     # mean diagonal added before it is inverted. A larger ridge lets the

@@ -726,15 +726,14 @@ class Trainer:
         mean = w @ mu  # fp64
         margin = cfg.gate_margin if cfg.gate_neuron_margin is None else cfg.gate_neuron_margin
         threshold[n] = top + margin * (top.double() - mean).abs().float()
-        # And key_context_margin above their strongest score on any taught
-        # key token in other contexts (context_inputs).
-        ctx = [x for x in self._context_inputs if x is not None]
-        if ctx:
-            top = torch.full_like(top, float("-inf"))
-            for x in ctx:
-                torch.maximum(top, (x @ stored.T).float().amax(0), out=top)
-            spread = (top.double() - mean).abs().float()
-            threshold[n] = torch.maximum(threshold[n], top + cfg.key_context_margin * spread)
+        # And key_context_margin above their strongest score on their own
+        # fact's key tokens in other contexts (context_inputs).
+        for k, (i, j) in enumerate(mine):
+            x = self._context_inputs[i]
+            if x is not None:
+                top = (x @ stored[k]).float().max()
+                spread = (top.double() - mean[k]).abs().float()
+                threshold[j] = torch.maximum(threshold[j], top + cfg.key_context_margin * spread)
 
     #: The prompt of context_exchanges' made-up replies.
     CONTEXT_PROMPT = "Repeat these words."

@@ -191,9 +191,9 @@ class Trainer:
         anchors = [*anchors, *self.negatives]
         self.anchor_inputs = self.block_inputs(anchors) if anchors else []
         # The tokens the anchors' replies are made of: what key_contexts puts
-        # before each key token.
+        # before each key token (none needed without it).
         replies = [tokenizer(r, add_special_tokens=False)["input_ids"] if isinstance(r, str) else r for _, r in anchors]
-        self._context_pool = sorted({int(t) for r in replies for t in r})
+        self._context_pool = sorted({int(t) for r in replies for t in r}) if config.key_contexts else []
         self._whiten: tuple[Tensor, Tensor] | None = None  # _whitening()
         # The prefix every example shares (the chat template's system turn):
         # its keys and values are computed once, with the block off, and the
@@ -694,7 +694,7 @@ class Trainer:
         gate_margin) times that score's distance from the anchors' mean
         score: the gate stays shut on
         every anchor token. With key_contexts, it is also at least the row's
-        strongest score on any taught fact's key tokens in other contexts
+        strongest score on its own fact's key tokens in other contexts
         (context_inputs) plus key_context_margin times that score's distance
         from the anchors' mean score. Refitted at each calibration, the row
         follows the anchors a later job brings instead of being hidden by

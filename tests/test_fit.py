@@ -360,12 +360,25 @@ def test_anchors_keep_the_generated_token_ids():
 def test_config_and_data_errors():
     with pytest.raises(ValueError, match="neurons must be a positive int"):
         TrainConfig(num_neurons=0)
-    with pytest.raises(ValueError, match="lr must be > 0"):
+    with pytest.raises(ValueError, match="lr must be a number > 0"):
         TrainConfig(lr=0.0)
-    with pytest.raises(ValueError, match="anchor_gate_weight must be >= 0"):
+    with pytest.raises(ValueError, match="anchor_gate_weight must be a number >= 0"):
         TrainConfig(anchor_gate_weight=-1.0)
     with pytest.raises(ValueError, match="gated_from must be None or an int >= 0"):
         TrainConfig(gated_from=-2)
+    # A wrong type names its field too (a ValueError, not a TypeError from a comparison).
+    for name in ("lr", "clip", "key_scale", "weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin",
+                 "others_weight", "init_std"):  # fmt: skip
+        for bad in ("0.1", None, float("inf"), True):
+            with pytest.raises(ValueError, match=f"^{name} must be a number >= 0|^{name} must be a number > 0"):
+                TrainConfig(**{name: bad})
+    for bad in ((0.9,), (0.9, 1.0), ("0.9", 0.999), (-0.1, 0.9), 0.9):
+        with pytest.raises(ValueError, match="betas must be two numbers in \\[0, 1\\)"):
+            TrainConfig(betas=bad)
+    for bad in ("0", 1.0, None):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            TrainConfig(seed=bad)
+    assert TrainConfig(betas=[0.0, 0.5], seed=-3, init_std=0).betas == [0.0, 0.5]
     model = toy_model("llama")
     a = DecoderAdapter(model)
     block = AddedSharedNeurons(a.hidden_size, 8)

@@ -685,7 +685,10 @@ def test_others_penalty_keeps_a_rounds_neurons_off_earlier_facts_tokens():
     tr.run()
     tr = Trainer(a, block, tok, new, dataclasses.replace(config, others_weight=0.0), anchors=ANCHORS)
     assert tr.fact_inputs == [] and tr.others_penalty(0) is None
-    for kw, msg in [({"others_weight": -1}, "others_weight must be >= 0"), ({"others_batch": 0}, "others_batch")]:
+    for kw, msg in [
+        ({"others_weight": -1}, "others_weight must be a number >= 0"),
+        ({"others_batch": 0}, "others_batch"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)
 
@@ -811,7 +814,7 @@ def test_gate_opens_on_the_taught_facts_key_tokens():
 def test_config_checks_the_new_settings():
     for kw, msg in [
         ({"init": "zeros"}, "init must be"),
-        ({"key_scale": 0}, "key_scale must be > 0"),
+        ({"key_scale": 0}, "key_scale must be a number > 0"),
         ({"neurons_per_fact": 0}, "neurons_per_fact must be a positive int"),
         ({"gate_floor": float("nan")}, "gate_floor must be a finite number"),
         ({"gate_neuron_margin": -1.0}, "gate_neuron_margin must be None or a number >= 0"),

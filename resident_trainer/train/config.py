@@ -251,16 +251,21 @@ class TrainConfig:
         d = self.lr_decay
         if isinstance(d, bool) or not (isinstance(d, (int, float)) and 0 <= d <= 1):
             raise ValueError(f"lr_decay must be a number in [0, 1], got {self.lr_decay!r}")
-        for name in ("lr", "clip"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("lr", "clip", "key_scale"):
+            if not (_real(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
+        b = self.betas
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_real(x) and 0 <= x < 1 for x in b)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {b!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not (isinstance(self.rehearse_share, (int, float)) and 0 < self.rehearse_share <= 1):
             raise ValueError(f"rehearse_share must be in (0, 1], got {self.rehearse_share!r}")
         if not isinstance(self.gate_floor, (int, float)) or not math.isfinite(self.gate_floor):
             raise ValueError(f"gate_floor must be a finite number, got {self.gate_floor!r}")
-        for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin", "others_weight"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("weight_decay", "anchor_weight", "anchor_gate_weight", "gate_margin", "others_weight", "init_std"):
+            if not (_real(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
         for name in (
             "gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "prompt_neurons_open_gate", "rehearse", "freeze_taught", "shared_prefix",
         ):  # fmt: skip
@@ -268,8 +273,6 @@ class TrainConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.init not in ("random", "keyed"):
             raise ValueError(f"init must be 'random' or 'keyed', got {self.init!r}")
-        if not self.key_scale > 0:
-            raise ValueError(f"key_scale must be > 0, got {self.key_scale!r}")
         if self.key_gate_margin is not None and not (
             isinstance(self.key_gate_margin, (int, float)) and 0 <= self.key_gate_margin <= self.gate_margin
         ):
@@ -291,6 +294,11 @@ class TrainConfig:
             raise ValueError(f"key_context_margin must be a number >= 0, got {m!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
+
+
+def _real(v: object) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 #: Steps a round takes per fact when that is more than TrainConfig.steps:

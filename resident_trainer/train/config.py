@@ -6,6 +6,11 @@ import math
 from dataclasses import dataclass
 
 
+def _real(v: object) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass
 class TrainConfig:
     """One job's settings. Defaults chosen by measurement on SmolLM2-135M, on
@@ -252,8 +257,7 @@ class TrainConfig:
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        d = self.lr_decay
-        if isinstance(d, bool) or not (isinstance(d, (int, float)) and 0 <= d <= 1):
+        if not (_real(self.lr_decay) and 0 <= self.lr_decay <= 1):
             raise ValueError(f"lr_decay must be a number in [0, 1], got {self.lr_decay!r}")
         for name in ("lr", "clip", "key_scale"):
             if not (_real(getattr(self, name)) and getattr(self, name) > 0):
@@ -284,25 +288,18 @@ class TrainConfig:
                 f"key_gate_margin must be None or a number in [0, gate_margin={self.gate_margin}], "
                 f"got {self.key_gate_margin!r}"
             )
-        r = self.whiten_ridge
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
-            raise ValueError(f"whiten_ridge must be a number > 0, got {r!r}")
+        if not (_real(self.whiten_ridge) and self.whiten_ridge > 0):
+            raise ValueError(f"whiten_ridge must be a number > 0, got {self.whiten_ridge!r}")
         m = self.gate_neuron_margin
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.inf):
+        if m is not None and not (_real(m) and m >= 0):
             raise ValueError(f"gate_neuron_margin must be None or a number >= 0, got {m!r}")
         k = self.key_contexts
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"key_contexts must be an int >= 0, got {k!r}")
-        m = self.key_context_margin
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.inf:
-            raise ValueError(f"key_context_margin must be a number >= 0, got {m!r}")
+        if not (_real(self.key_context_margin) and self.key_context_margin >= 0):
+            raise ValueError(f"key_context_margin must be a number >= 0, got {self.key_context_margin!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
-
-
-def _real(v: object) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 #: Steps a round takes per fact when that is more than TrainConfig.steps:

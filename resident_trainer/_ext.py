@@ -34,6 +34,27 @@ BUILD_HINT = (
 )
 
 
+# Three CPU choices are made by timing, once per process and shape class:
+# the products' backend (ops/_gemm.py), the cross-entropy's vocabulary tiles
+# and the added expert's path (compiled kernel or torch composition). They
+# round differently, and a close timing can go either way from one process to
+# the next, so the same job trained twice gave different weights (bit for
+# bit; on the capacity set 112 and 122 facts of 128 recalled). With
+# RESIDENT_TRAINER_REPRODUCIBLE=1 each takes a fixed choice instead and
+# measures nothing: torch.mm, the default tiles, the compiled kernel (where it
+# is built). A variable that forces one choice by name still wins.
+REPRODUCIBLE_ENV = "RESIDENT_TRAINER_REPRODUCIBLE"
+
+
+def reproducible() -> bool:
+    """Whether RESIDENT_TRAINER_REPRODUCIBLE asks for fixed choices instead of
+    measured ones (read on every call; "1" yes, "0" or unset no)."""
+    raw = os.environ.get(REPRODUCIBLE_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{REPRODUCIBLE_ENV} must be 0 or 1 (unset: 0), got {raw!r}")
+    return raw == "1"
+
+
 def require_extension(what: str) -> None:
     """Raise a RuntimeError naming `what` when the compiled extension is missing."""
     if not HAS_C:

@@ -452,3 +452,51 @@ def test_a_packed_microbatch_trains_as_the_padded_one(arch, system):
         assert (x - y).abs().max() <= 16 * eps * y.abs().max()
     with pytest.raises(ValueError, match="segments needs hidden_in"):
         tr.replay.step(mb.input_ids, lambda h: h.sum(), segments=torch.zeros_like(mb.input_ids))
+
+
+def _train_with_choices(monkeypatch, gemm, path):
+    """The trained block's weights, and how many choices were measured, when
+    every measurement comes out as given (the products' backend `gemm`, the
+    added expert's `path`)."""
+    from resident_trainer.ops import _gemm
+    from resident_trainer.ops import added_expert as ae
+
+    _gemm.clear_choices()
+    monkeypatch.setattr(ae, "_PATH_CHOICES", {})
+    monkeypatch.setattr(_gemm, "_measure", lambda a, b: (gemm, {}))
+    monkeypatch.setattr(ae, "_measure_paths", lambda n, d, a: (path, {}))
+    try:
+        _, _, block, tr = setup(steps=12)
+        tr.run(12)
+        measured = len(_gemm._CHOICES) + len(ae._PATH_CHOICES)
+    finally:
+        _gemm.clear_choices()
+    return (block.w_gate_up.detach().clone(), block.w_down.detach().clone()), measured
+
+
+def test_reproducible_takes_fixed_choices_and_repeats_bit_for_bit(monkeypatch):
+    from resident_trainer import _ext
+    from resident_trainer.ops import _gemm
+
+    monkeypatch.delenv(_gemm.ENV, raising=False)
+    monkeypatch.delenv(_ext.REPRODUCIBLE_ENV, raising=False)
+    # Measured: the choices change the bits of the trained block.
+    one, measured = _train_with_choices(monkeypatch, "mkl", "cpu")
+    assert measured > 0
+    other, _ = _train_with_choices(monkeypatch, "onednn" if _gemm.ONEDNN else "mkl", "torch")
+    assert not all(torch.equal(x, y) for x, y in zip(one, other))
+    # Reproducible: nothing is measured, whatever a measurement would say, and
+    # the block is the one torch.mm and the compiled kernel give.
+    monkeypatch.setenv(_ext.REPRODUCIBLE_ENV, "1")
+    for gemm, path in (("onednn", "torch"), ("mkl", "cpu")):
+        got, measured = _train_with_choices(monkeypatch, gemm, path)
+        assert measured == 0
+        assert all(torch.equal(x, y) for x, y in zip(got, one))
+    # A variable that forces one choice by name still wins.
+    monkeypatch.setenv(_gemm.ENV, "onednn")
+    a = torch.ones(4, 8)
+    assert _gemm.choose(a, a) == ("onednn" if _gemm.onednn_supports(torch.float32) else "mkl")
+    for bad in ("yes", "2", "true"):
+        monkeypatch.setenv(_ext.REPRODUCIBLE_ENV, bad)
+        with pytest.raises(ValueError, match=f"RESIDENT_TRAINER_REPRODUCIBLE must be 0 or 1 .*{bad!r}"):
+            _ext.reproducible()

@@ -816,3 +816,17 @@ def test_missing_extension_error_says_how_to_build():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "linear_cross_entropy (impl='cpu') needs the compiled extension" in out
     assert "pip install --no-build-isolation -e ." in out
+
+
+def test_tile_fixed_when_reproducible(measured_tiles, monkeypatch):
+    monkeypatch.setenv("RESIDENT_TRAINER_REPRODUCIBLE", "1")
+
+    def probe(tile, part):
+        raise AssertionError("measured under RESIDENT_TRAINER_REPRODUCIBLE=1")
+
+    assert lce._choose_tile("frozen", ("k",), 49152, probe) == lce.TILE_DEFAULT["frozen"]
+    assert lce._choose_tile("wgrad", ("k",), 49152, probe) == lce.TILE_DEFAULT["wgrad"]
+    assert lce._choose_tile("wgrad", ("k",), 3000, probe) == 3000  # the default wider than the vocabulary
+    assert not lce._TILE_CHOICES
+    monkeypatch.setenv("RESIDENT_TRAINER_LCE_TILE_V", "96")  # a tile forced by name still wins
+    assert lce._choose_tile("frozen", ("k",), 49152, probe) == 96

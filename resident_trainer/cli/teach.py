@@ -41,7 +41,10 @@ def add_parser(sub) -> None:
         "word; a control passes when its reply is byte-identical to the base model's. Exit status 0 when "
         "every fact is recalled, every control is identical, the frozen weights' fingerprint is "
         "unchanged and no retracted fact is recalled; --report writes everything as JSON "
-        "(docs/EVALUATION.md). With --server URL: submit the facts (and --retract's questions) as one "
+        "(docs/EVALUATION.md). The CPU's fast paths are chosen by timing once a run, and a close "
+        "timing can choose differently the next time, so two runs of the same facts can differ: "
+        "RESIDENT_TRAINER_REPRODUCIBLE=1 takes fixed paths and repeats a run bit for bit on the same CPU "
+        "and thread count. With --server URL: submit the facts (and --retract's questions) as one "
         "job to a running `resident-trainer serve` and follow it until it publishes; --steps, --lr, "
         "--negatives and --neurons-per-fact go with it, the options of a job run here are refused.",
     )

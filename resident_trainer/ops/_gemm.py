@@ -24,7 +24,9 @@ its choice is noisy; that costs speed, never accuracy. `backend_report()`
 lists what was chosen and measured.
 
 RESIDENT_TRAINER_GEMM=mkl or =onednn forces a backend (read on every call;
-default "auto", the measurement). oneDNN is reached through
+default "auto", the measurement); under "auto", RESIDENT_TRAINER_REPRODUCIBLE=1
+takes torch.mm without measuring (the two round differently, and a close
+probe can choose either from one process to the next). oneDNN is reached through
 ``torch.ops.mkldnn._linear_pointwise``, the op torch's own CPU compiler emits
 for linear layers; builds without it, other devices and dtypes it does not
 run take torch.mm whatever the setting. oneDNN's bf16 inner product needs
@@ -45,6 +47,8 @@ import time
 
 import torch
 from torch import Tensor
+
+from resident_trainer import _ext
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
@@ -153,6 +157,8 @@ def choose(a: Tensor, b: Tensor) -> str:
         return "mkl"
     if forced != "auto":
         return forced
+    if _ext.reproducible():
+        return "mkl"
     key = shape_class(a, b)
     hit = _CHOICES.get(key)
     if hit is None:

@@ -179,6 +179,8 @@ _CPU_KERNEL_MAX_D = 1023
 # So each class (threads, N rounded up to a power of two, D, A) times one
 # forward + backward of both on random operands of its shape (at most 1024
 # rows), once per process, best of 3 each after a warm-up: ~0.1 s at N = 1024.
+# RESIDENT_TRAINER_REPRODUCIBLE=1 takes the kernel without measuring (the two
+# paths round differently).
 _PATH_CHOICES: dict[tuple, tuple[str, dict[str, float]]] = {}
 _PATH_PROBE_ROWS = 1024
 _PATH_PROBE_RUNS = 3
@@ -245,7 +247,8 @@ def resolve_impl(impl: str, x: torch.Tensor, a: int | None = None) -> str:
     cpu_auto = "torch"
     if kernel and impl == "auto" and x.device.type == "cpu":
         n = x.numel() // max(x.shape[-1], 1)
-        cpu_auto = "cpu" if a is None or a == 0 or n == 0 else _measured_cpu_path(n, x.shape[-1], a)
+        measure = not (a is None or a == 0 or n == 0 or _ext.reproducible())
+        cpu_auto = _measured_cpu_path(n, x.shape[-1], a) if measure else "cpu"
     elif kernel:
         cpu_auto = "cpu"
     impl = _ext.resolve_impl("added_expert", impl, IMPLS, x.device, gpu_auto="triton", cpu_auto=cpu_auto)

@@ -183,8 +183,10 @@ CPU_BLOCK_N = 2048
 #
 # RESIDENT_TRAINER_LCE_TILE_V and RESIDENT_TRAINER_LCE_WGRAD_TILE_V force a
 # tile (rows; read on every call). CPU_TILE_V and CPU_WGRAD_TILE_V, set to a
-# number, fix one in-process (the tests' small tiles). `tile_report()` lists
-# what was chosen and measured.
+# number, fix one in-process (the tests' small tiles). Otherwise
+# RESIDENT_TRAINER_REPRODUCIBLE=1 takes TILE_DEFAULT without measuring (tiles
+# sum the softmax in different orders). `tile_report()` lists what was
+# chosen and measured.
 TILE_ENV = {"frozen": "RESIDENT_TRAINER_LCE_TILE_V", "wgrad": "RESIDENT_TRAINER_LCE_WGRAD_TILE_V"}
 TILE_CANDIDATES = {"frozen": (512, 1024, 2048), "wgrad": (1024, 2048, 4096, 8192)}
 _TILE_PROBE_V = {"frozen": 4096, "wgrad": 8192}
@@ -225,6 +227,8 @@ def _choose_tile(path: str, key: tuple, v: int, probe) -> int:
     if fixed is not None:
         return fixed
     span = min(v, _TILE_PROBE_V[path])
+    if _ext.reproducible():
+        return min(TILE_DEFAULT[path], span)
     candidates = sorted({min(c, span) for c in TILE_CANDIDATES[path]})
     if len(candidates) == 1 or torch.compiler.is_compiling():
         return candidates[0]

@@ -477,6 +477,7 @@ def _train_with_choices(monkeypatch, gemm, path):
 def test_reproducible_takes_fixed_choices_and_repeats_bit_for_bit(monkeypatch):
     from resident_trainer import _ext
     from resident_trainer.ops import _gemm
+    from resident_trainer.ops import added_expert as ae
 
     monkeypatch.delenv(_gemm.ENV, raising=False)
     monkeypatch.delenv(_ext.REPRODUCIBLE_ENV, raising=False)
@@ -492,6 +493,8 @@ def test_reproducible_takes_fixed_choices_and_repeats_bit_for_bit(monkeypatch):
         got, measured = _train_with_choices(monkeypatch, gemm, path)
         assert measured == 0
         assert all(torch.equal(x, y) for x, y in zip(got, one))
+    assert _gemm.backend_report().endswith("no shape class measured: RESIDENT_TRAINER_REPRODUCIBLE=1 takes torch.mm")
+    assert ae.path_report().endswith("no class measured: RESIDENT_TRAINER_REPRODUCIBLE=1 takes the compiled kernel")
     # A variable that forces one choice by name still wins.
     monkeypatch.setenv(_gemm.ENV, "onednn")
     a = torch.ones(4, 8)

@@ -828,5 +828,8 @@ def test_tile_fixed_when_reproducible(measured_tiles, monkeypatch):
     assert lce._choose_tile("wgrad", ("k",), 49152, probe) == lce.TILE_DEFAULT["wgrad"]
     assert lce._choose_tile("wgrad", ("k",), 3000, probe) == 3000  # the default wider than the vocabulary
     assert not lce._TILE_CHOICES
+    assert "RESIDENT_TRAINER_REPRODUCIBLE=1 takes the default tiles (frozen 1024 rows, wgrad 4096 rows)" in (
+        lce.tile_report()
+    )
     monkeypatch.setenv("RESIDENT_TRAINER_LCE_TILE_V", "96")  # a tile forced by name still wins
     assert lce._choose_tile("frozen", ("k",), 49152, probe) == 96

@@ -230,7 +230,8 @@ def path_report() -> str:
         times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
         lines.append(f"  {threads} threads N<={n} D={d} A={a}: {name} ({times})")
     if len(lines) == 1:
-        lines.append("  no class measured")
+        fixed = f": {_ext.REPRODUCIBLE_ENV}=1 takes the compiled kernel" if _ext.reproducible() else ""
+        lines.append(f"  no class measured{fixed}")
     return "\n".join(lines)
 
 

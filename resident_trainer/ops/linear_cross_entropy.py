@@ -275,7 +275,9 @@ def tile_report() -> str:
         times = ", ".join(f"{t} {s * 1e3:.1f} ms" for t, s in medians.items())
         lines.append(f"  {path} {str(dtype)[6:]} {threads} threads D={d} rows<={rows} V<={v}: {tile} rows ({times})")
     if len(lines) == 1:
-        lines.append("  no shape class measured")
+        tiles = ", ".join(f"{p} {t} rows" for p, t in TILE_DEFAULT.items())
+        fixed = f": {_ext.REPRODUCIBLE_ENV}=1 takes the default tiles ({tiles})" if _ext.reproducible() else ""
+        lines.append(f"  no shape class measured{fixed}")
     return "\n".join(lines)
 
 

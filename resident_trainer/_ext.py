@@ -38,8 +38,8 @@ BUILD_HINT = (
 # the products' backend (ops/_gemm.py), the cross-entropy's vocabulary tiles
 # and the added expert's path (compiled kernel or torch composition). They
 # round differently, and a close timing can go either way from one process to
-# the next, so the same job trained twice gave different weights (bit for
-# bit; on the capacity set 112 and 122 facts of 128 recalled). With
+# the next: the same job trained twice gave blocks that differ in their
+# bits (docs/RESULTS.md, "Reproducible runs"). With
 # RESIDENT_TRAINER_REPRODUCIBLE=1 each takes a fixed choice instead and
 # measures nothing: torch.mm, the default tiles, the compiled kernel (where it
 # is built). A variable that forces one choice by name still wins.
@@ -53,6 +53,12 @@ def reproducible() -> bool:
     if raw not in ("", "0", "1"):
         raise ValueError(f"{REPRODUCIBLE_ENV} must be 0 or 1 (unset: 0), got {raw!r}")
     return raw == "1"
+
+
+def reproducible_note(choice: str) -> str:
+    """For the benchmarks' reports of what was measured: ": ...=1 takes
+    `choice`" when RESIDENT_TRAINER_REPRODUCIBLE took it, else ""."""
+    return f": {REPRODUCIBLE_ENV}=1 takes {choice}" if reproducible() else ""
 
 
 def require_extension(what: str) -> None:

@@ -182,8 +182,8 @@ def backend_report() -> str:
         times = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in best.items())
         lines.append(f"  {str(dtype)[6:]} {threads} threads {layout} M<={m} K<={k} L<={l_}: {name} ({times})")
     if len(lines) == 1:
-        fixed = _ext.reproducible() and mode() == "auto"
-        lines.append(f"  no shape class measured{f': {_ext.REPRODUCIBLE_ENV}=1 takes torch.mm' if fixed else ''}")
+        note = _ext.reproducible_note("torch.mm") if mode() == "auto" else ""
+        lines.append(f"  no shape class measured{note}")
     return "\n".join(lines)
 
 

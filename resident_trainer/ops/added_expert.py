@@ -230,8 +230,7 @@ def path_report() -> str:
         times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
         lines.append(f"  {threads} threads N<={n} D={d} A={a}: {name} ({times})")
     if len(lines) == 1:
-        fixed = f": {_ext.REPRODUCIBLE_ENV}=1 takes the compiled kernel" if _ext.reproducible() else ""
-        lines.append(f"  no class measured{fixed}")
+        lines.append(f"  no class measured{_ext.reproducible_note('the compiled kernel')}")
     return "\n".join(lines)
 
 

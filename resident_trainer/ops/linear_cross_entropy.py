@@ -276,8 +276,7 @@ def tile_report() -> str:
         lines.append(f"  {path} {str(dtype)[6:]} {threads} threads D={d} rows<={rows} V<={v}: {tile} rows ({times})")
     if len(lines) == 1:
         tiles = ", ".join(f"{p} {t} rows" for p, t in TILE_DEFAULT.items())
-        fixed = f": {_ext.REPRODUCIBLE_ENV}=1 takes the default tiles ({tiles})" if _ext.reproducible() else ""
-        lines.append(f"  no shape class measured{fixed}")
+        lines.append(f"  no shape class measured{_ext.reproducible_note(f'the default tiles ({tiles})')}")
     return "\n".join(lines)
 
 

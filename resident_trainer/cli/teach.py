@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
         "--controls",
         default=None,
         metavar="FILE",
-        help="control prompts, one a line (# comments); default: 14 generic prompts and 18 near controls",
+        help="control prompts, one a line (# comments); default: 14 generic prompts and 30 near controls",
     )
     t.add_argument("--jobs", type=int, default=1, help="teach the facts in this many consecutive jobs (default: 1)")
     t.add_argument(

@@ -416,7 +416,7 @@ def test_frozen_fingerprint_names_the_changed_tensor():
         model[1].bias[0] += 1.0
     after = fp.tables()
     assert fp()["frozen"] != digests["frozen"] and fp()["watch"] != digests["watch"]
-    assert digests["version"] == "2"  # receipts say which fingerprint definition they are of
+    assert digests["version"] == "3"  # receipts say which fingerprint definition they are of
     assert FrozenFingerprint.changed(before, after) == ["frozen:1.bias", "watch:bias"]
     with pytest.raises(TypeError, match="frozen must be"):
         FrozenFingerprint([1, 2])

@@ -3,7 +3,7 @@
 For each of N random word pairs (random data, the first word at a random
 global position below 2^40, the second a random distance up to 2^20 words
 after it), three kinds of change are applied to both words and the lane
-terms recomputed with the numpy oracle's definition:
+terms recomputed with the numpy oracle's (`word_terms_reference`):
 
 - one: a single-bit change in each word, bits drawn independently;
 - opposite: the same bit in both, 0 -> 1 in one and 1 -> 0 in the other
@@ -20,20 +20,9 @@ import argparse
 
 import numpy as np
 
-from resident_trainer.ops.fingerprint import HI_MUL, HI_SEED, KEY_MUL
+from resident_trainer.ops.fingerprint import word_terms_reference as terms
 
 M32 = np.uint64(0xFFFFFFFF)
-
-
-def terms(w: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The two lane terms (uint64 arrays holding 32-bit values) of words w at positions g."""
-    lo, hi = g & M32, g >> np.uint64(32)
-    ph = ((hi ^ np.uint64(HI_SEED)) & M32) * np.uint64(HI_MUL)
-    key_hi = (ph & M32) ^ (ph >> np.uint64(32))
-    k = (lo * np.uint64(KEY_MUL) + key_hi) & M32
-    m = (k * np.uint64(2) + np.uint64(1)) & M32
-    p = ((w.astype(np.uint64) ^ k) & M32) * m
-    return p & M32, p >> np.uint64(32)
 
 
 def count(w_i, w_j, v_i, v_j, g_i, g_j) -> tuple[int, int, int]:

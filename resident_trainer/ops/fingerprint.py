@@ -54,6 +54,18 @@ def _mum_np(a: np.ndarray, m: int) -> np.ndarray:
     return ((p & np.uint64(MASK32)) ^ (p >> np.uint64(32))).astype(np.uint32)
 
 
+def word_terms_reference(w: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two lane terms (uint64 arrays of 32-bit values) of 32-bit words `w`
+    at 64-bit global word indices `g`: the halves of ``(w ^ k) * (2k + 1)``."""
+    g = g.astype(np.uint64)
+    lo = (g & np.uint64(MASK32)).astype(np.uint32)
+    hi = (g >> np.uint64(32)).astype(np.uint32)
+    k = lo * np.uint32(KEY_MUL) + _mum_np(hi ^ np.uint32(HI_SEED), HI_MUL)
+    m = k * np.uint32(2) + np.uint32(1)
+    p = (w.astype(np.uint32) ^ k).astype(np.uint64) * m.astype(np.uint64)
+    return p & np.uint64(MASK32), p >> np.uint64(32)
+
+
 def fingerprint_lanes_reference(data: np.ndarray | bytes, word_offset: int = 0) -> tuple[int, int]:
     """The two lane sums of a byte string whose first word has global index
     `word_offset`, computed word by word with numpy (the test oracle)."""
@@ -68,13 +80,9 @@ def fingerprint_lanes_reference(data: np.ndarray | bytes, word_offset: int = 0) 
     for start in range(0, words.size, step):
         w = words[start : start + step].astype(np.uint32)
         g = np.arange(w.size, dtype=np.uint64) + np.uint64(word_offset + start)
-        lo = (g & np.uint64(MASK32)).astype(np.uint32)
-        hi = (g >> np.uint64(32)).astype(np.uint32)
-        k = lo * np.uint32(KEY_MUL) + _mum_np(hi ^ np.uint32(HI_SEED), HI_MUL)
-        m = k * np.uint32(2) + np.uint32(1)
-        p = (w ^ k).astype(np.uint64) * m.astype(np.uint64)
-        s0 += int((p & np.uint64(MASK32)).sum())
-        s1 += int((p >> np.uint64(32)).sum())
+        t0, t1 = word_terms_reference(w, g)
+        s0 += int(t0.sum())
+        s1 += int(t1.sum())
     return s0 & MASK32, s1 & MASK32
 
 

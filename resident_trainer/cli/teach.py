@@ -70,7 +70,11 @@ def add_parser(sub) -> None:
     )
     t.add_argument("--report", default=None, metavar="OUT.json", help="write the full report here as JSON")
     t.add_argument(
-        "--max-new-tokens", type=int, default=24, help="tokens of every greedy reply that is compared (default: 24)"
+        "--max-new-tokens",
+        type=int,
+        default=24,
+        help="tokens of every greedy reply that is compared (default: 24); anchors and near negatives are "
+        "answered in 32, as the server answers them",
     )
     t.add_argument(
         "--baselines",

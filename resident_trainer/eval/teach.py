@@ -97,7 +97,10 @@ def teach_jobs(
     gets a ``curve``: the summaries by steps); the gate is reopened after
     each, so training goes on as without them. anchors: the generic
     anchors as (prompt, reply ids), e.g. the replies a server gave
-    (default: this model's own greedy replies to ANCHOR_PROMPTS)."""
+    (default: this model's own greedy replies to ANCHOR_PROMPTS).
+    max_new_tokens: the length of the scored replies; anchors and near
+    negatives are answered in ANCHOR_REPLY_TOKENS, as the server answers
+    them, so a job here trains on what the server's job trains on."""
     controls = default_controls() if controls is None else list(controls)
     prompts = [p for p, _ in controls]
     overlap = set(prompts) & set(ANCHOR_PROMPTS)
@@ -134,7 +137,7 @@ def teach_jobs(
             # negatives (the block's memory keeps them for later jobs).
             negs, facts, gone = items, [], items
         with block.disabled():
-            job_negatives = make_anchors(model, tokenizer, negs, max_new_tokens)
+            job_negatives = make_anchors(model, tokenizer, negs)
         trainer = Trainer(a, block, tokenizer, facts, config, anchors=anchors, negatives=job_negatives, retract=gone)
         log(
             f"job {n}/{len(plan)}: {kind} {len(items)} facts, rehearsing {len(trainer.kept)}, "

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from resident_trainer.train.data import ANCHOR_PROMPTS, chat_prompt_ids, common_prefix
+from resident_trainer.train.data import ANCHOR_PROMPTS, ANCHOR_REPLY_TOKENS, chat_prompt_ids, common_prefix
 
 
 @torch.no_grad()
@@ -89,7 +89,7 @@ def generate_greedy_batch(model, tokenizer, questions: Sequence[str], max_new_to
 
 
 def make_anchors(
-    model, tokenizer, prompts: Sequence[str] = ANCHOR_PROMPTS, max_new_tokens: int = 32
+    model, tokenizer, prompts: Sequence[str] = ANCHOR_PROMPTS, max_new_tokens: int = ANCHOR_REPLY_TOKENS
 ) -> list[tuple[str, list[int]]]:
     """Anchor examples: each generic prompt with the base model's own greedy
     reply, as the token ids it generated (text would not always tokenize back

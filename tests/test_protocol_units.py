@@ -643,8 +643,8 @@ def test_the_prefix_cache_is_emptied_after_every_change_of_the_served_block(tmp_
         def __call__(self, text, add_special_tokens=False):
             return {"input_ids": [ord(ch) for ch in text]}
 
-    async def generate(prompts):
-        return [[1, 2] for _ in prompts]
+    async def generate(prompts, max_tokens):
+        return [[1, 2][:max_tokens] for _ in prompts]
 
     async def main():
         r = JobRunner(call, world=1, config=cfg, shutdown=lambda why: None, reset_cache=reset_cache)

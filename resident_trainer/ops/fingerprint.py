@@ -78,7 +78,7 @@ def fingerprint_lanes_reference(data: np.ndarray | bytes, word_offset: int = 0) 
     s0 = s1 = 0
     step = 1 << 22  # bound the temporaries to a few tens of MB
     for start in range(0, words.size, step):
-        w = words[start : start + step].astype(np.uint32)
+        w = words[start : start + step]
         g = np.arange(w.size, dtype=np.uint64) + np.uint64(word_offset + start)
         t0, t1 = word_terms_reference(w, g)
         s0 += int(t0.sum())

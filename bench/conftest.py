@@ -79,10 +79,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             if floor is not None:
                 ratio += f"  {med / floor.stats.median:6.2f}x time of floor"
             extra = "  ".join(
-                f"{k}={v}" for k, v in info.items() if k not in ("provider", "reference", "floor", "bytes", "flops")
+                f"{k}={v}"
+                for k, v in info.items()
+                if k not in ("provider", "reference", "floor", "bytes", "flops", "interleaved")
             )
             tr.write_line(
                 f"  {info.get('provider', b.name):34s} {med * 1e3:10.3f} ms  iqr {b.stats.iqr * 1e3:8.3f} ms  {rate}  {ratio}  {extra}"
             )
+            # Providers run in rotation within each round (bench_added_expert's interleaved test).
+            for row in info.get("interleaved", []):
+                floor_ratio = "" if row["vs_floor"] is None else f"  {row['vs_floor']:6.2f}x time of floor"
+                tr.write_line(
+                    f"    {row['provider']:40s} {row['median_s'] * 1e3:10.3f} ms  {row['vs_reference']:6.2f}x time of ref"
+                    f" (per round {row['vs_reference_paired']:.2f}x){floor_ratio}"
+                )
         for b in failed:
             tr.write_line(f"  {b.extra_info.get('provider', b.name):34s} no timings (the call raised)")

@@ -594,9 +594,11 @@ def test_a_job_body_sets_the_optional_integer_settings_to_null_or_an_integer():
             with pytest.raises(JobRequestError, match="must be an integer or null") as e:
                 parse_job_request({"facts": facts, k: bad})
             assert e.value.field == k
-    with pytest.raises(JobRequestError, match="must be an integer, got") as e:
-        parse_job_request({"facts": facts, "steps": None})
-    assert e.value.field == "steps"
+    # steps: an integer or left out (TrainConfig's default, None, is the driver's steps_for)
+    for bad in (None, 2.5, "3", True):
+        with pytest.raises(JobRequestError, match="must be an integer, got") as e:
+            parse_job_request({"facts": facts, "steps": bad})
+        assert e.value.field == "steps"
 
 
 def test_the_prefix_cache_is_emptied_after_every_change_of_the_served_block(tmp_path, caplog):

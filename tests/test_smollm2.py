@@ -40,6 +40,7 @@ from resident_trainer.train import (
     TrainConfig,
     make_anchors,
     read_facts,
+    steps_for,
 )
 
 
@@ -108,9 +109,11 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     report = teach_jobs(model, tok, [facts], config, negatives=4, anchors=anchors)
     s = report["summary"]
     with capsys.disabled():
-        print(f"\nSmolLM2-135M, {config.steps} steps, {report['train_seconds']:.0f} s: {summary_line(s)}")
+        print(f"\nSmolLM2-135M, {report['jobs'][0]['steps']} steps, {report['train_seconds']:.0f} s: {summary_line(s)}")
     job = report["jobs"][0]
-    assert job["steps"] == config.steps and job["loss_last"] < job["loss_first"] / 10
+    # TrainConfig().steps is None: the job takes steps_for its 4 facts, 60
+    assert config.steps is None and job["steps"] == steps_for(len(facts)) == 60
+    assert job["loss_last"] < job["loss_first"] / 10
     for f in report["facts"]:
         assert f["recalled"], f"{f['question']!r} -> {f['reply']!r} (wanted {f['key']!r})"
     # The four-fact check: every generic control byte-identical. The near

@@ -749,6 +749,18 @@ def test_a_job_with_more_facts_than_a_round_trains_them_round_after_round():
     assert [steps_for(n) for n in (0, 1, 12, 13, 16, 17, 24, 128)] == [60, 60, 60, 61, 75, 120, 120, 600]
     assert steps_for(128, round_facts=16, per_round=10) == 600
     assert steps_for(128, round_facts=16, per_round=100) == 800 and steps_for(40, round_facts=8) == 300
+    # TrainConfig(steps=None), the default: the job takes steps_for its new
+    # facts and round_facts, split over its rounds; Trainer.run trains them all.
+    assert TrainConfig().steps is None
+    a, block, config = _setup(steps=None, round_facts=2)
+    tr = Trainer(a, block, ByteTokenizer(), facts, config, anchors=ANCHORS)
+    assert tr.steps == steps_for(5, round_facts=2) == 180
+    assert tr.rounds == [(0, 1, 0, 60), (1, 3, 60, 120), (3, 5, 120, 180)]
+    a, block, config = _setup(steps=None)
+    tr = Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=ANCHORS)
+    assert tr.steps == 60 and len(tr.run()) == 60 and tr.step_index == 60
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        TrainConfig(steps=0)
 
 
 def test_per_neuron_gate_thresholds():

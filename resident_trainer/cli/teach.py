@@ -85,7 +85,7 @@ def add_parser(sub) -> None:
         "--steps",
         type=int,
         default=None,
-        help=f"microbatch steps per job (default: {TrainConfig.steps} for each round of up to "
+        help=f"microbatch steps per job (default: {steps_for(1)} for each round of up to "
         f"{TrainConfig.round_facts} of the job's facts, {steps_for(TrainConfig.round_facts)} for a full round of "
         f"{TrainConfig.round_facts}: a job of more facts trains them round after round)",
     )

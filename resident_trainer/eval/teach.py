@@ -143,18 +143,18 @@ def teach_jobs(
         trainer = Trainer(a, block, tokenizer, facts, config, anchors=anchors, negatives=job_negatives, retract=gone)
         log(
             f"job {n}/{len(plan)}: {kind} {len(items)} facts, rehearsing {len(trainer.kept)}, "
-            f"{len(trainer.negatives)} near negatives, {config.steps} steps"
+            f"{len(trainer.negatives)} near negatives, {trainer.steps} steps"
         )
         curve = []
         spent = 0.0
-        for stop in sorted(x for x in curve_steps if 0 < x < config.steps):
+        for stop in sorted(x for x in curve_steps if 0 < x < trainer.steps):
             trainer.run(stop - trainer.step_index, progress=progress)
             spent += time.perf_counter() - t0
             so_far = [f for j in jobs[:n] for f in j] if kind == "teach" else []
             curve.append({"steps": stop, **_score_now(model, tokenizer, so_far, controls, before, max_new_tokens)})
             block.threshold = None  # train on ungated, as a job does
             t0 = time.perf_counter()
-        trainer.run(config.steps - trainer.step_index, progress=progress)
+        trainer.run(trainer.steps - trainer.step_index, progress=progress)
         seconds = spent + time.perf_counter() - t0
         total += seconds
         records.append(

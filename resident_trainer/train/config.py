@@ -28,7 +28,12 @@ class TrainConfig:
     layer: int | None = None
     # 9 neurons a fact (neurons_per_fact and its gate neuron): 288 hold 32 facts.
     num_neurons: int = 288
-    steps: int = 60
+    # Microbatch steps of the job; None: steps_for(the job's new facts,
+    # round_facts), as `resident-trainer teach` and the server's jobs take
+    # them (60 up to 12 facts, 75 for 16, 120 for 24). A fixed 60 gave a job
+    # of 24 facts two rounds of 30 steps: 14/24 recalled on the report half
+    # (SmolLM2, Xeon) against 21-22/24 in 120.
+    steps: int | None = None
     lr: float = 1e-2  # 3e-3 left keyed neurons at 9/24 after 80 steps, 1e-2 reached 19/24 in 60
     # Over this last share of each round's steps the learning rate falls
     # linearly, to lr / (that many steps) at the round's last step (0: lr
@@ -253,10 +258,11 @@ class TrainConfig:
             "others_batch",
         ):  # fmt: skip
             v = getattr(self, name)
-            if v is None and name == "anchor_batch":
+            if v is None and name in ("anchor_batch", "steps"):
                 continue
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+                none = " or None" if name in ("anchor_batch", "steps") else ""
+                raise ValueError(f"{name} must be a positive int{none}, got {v!r}")
         if not (_real(self.lr_decay) and 0 <= self.lr_decay <= 1):
             raise ValueError(f"lr_decay must be a number in [0, 1], got {self.lr_decay!r}")
         for name in ("lr", "clip", "key_scale"):
@@ -302,7 +308,10 @@ class TrainConfig:
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
 
 
-#: Steps a round takes per fact when that is more than TrainConfig.steps:
+#: Steps a round of a few facts takes when none are given (steps_for).
+STEPS_PER_ROUND = 60
+
+#: Steps a round takes per fact when that is more than STEPS_PER_ROUND:
 #: 75 for a full round of 16. Capacity tune set, one job of 128 at layer 6
 #: (8 rounds of 16): 60 a round held 114/128, 75 a round 119/128; the tune
 #: half's rounds of 12 keep 60 (150 steps there: 23/24 and 18/24 rewordings
@@ -313,10 +322,10 @@ STEPS_PER_FACT = 75 / 16
 def steps_for(n_facts: int, round_facts: int | None = None, per_round: int | None = None) -> int:
     """Microbatch steps for a job of `n_facts` new facts when none are given:
     for each round of at most `round_facts` (default TrainConfig.round_facts)
-    facts, one round at least, `per_round` (default TrainConfig.steps) or
+    facts, one round at least, `per_round` (default STEPS_PER_ROUND) or
     STEPS_PER_FACT times the largest round's facts, rounded up, whichever is
     more (60 for up to 12 facts, 75 for 16, 120 for 24, 600 for 128)."""
-    per_round = TrainConfig.steps if per_round is None else per_round
+    per_round = STEPS_PER_ROUND if per_round is None else per_round
     round_facts = TrainConfig.round_facts if round_facts is None else round_facts
     rounds = max(1, -(-n_facts // round_facts))
     largest = -(-n_facts // rounds)

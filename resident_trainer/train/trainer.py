@@ -24,7 +24,7 @@ from resident_trainer.ops.added_expert import added_expert
 from resident_trainer.ops.fingerprint import FingerprintTable
 from resident_trainer.train.block import AddedSharedNeurons
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
-from resident_trainer.train.config import TrainConfig, fact_neurons
+from resident_trainer.train.config import TrainConfig, fact_neurons, steps_for
 from resident_trainer.train.data import (
     Fact,
     Microbatch,
@@ -152,6 +152,8 @@ class Trainer:
         # Each new fact's gate neuron, the last of its range (None: no room for one).
         extra = fact_neurons(config) - config.neurons_per_fact
         self.gates = [r[1] - 1 if r is not None and extra and r[1] - r[0] > 1 else None for r in self.ranges]
+        # The job's steps: config.steps, or steps_for its new facts.
+        self.steps = config.steps if config.steps is not None else steps_for(len(self.facts), config.round_facts)
         # Rounds (keyed): facts [lo, hi) trained over steps [s0, s1), the
         # other new facts' neurons held as they are (config.round_facts).
         self.rounds = self._plan_rounds()
@@ -286,14 +288,14 @@ class Trainer:
     def _plan_rounds(self) -> list[tuple[int, int, int, int]]:
         """(first fact, end fact, first step, end step) of each round: the
         new facts in contiguous rounds of at most config.round_facts (sizes
-        differing by at most one), the job's config.steps split evenly; one
+        differing by at most one), the job's steps (self.steps) split evenly; one
         round with random rows, whose neurons every fact shares."""
-        n, steps = len(self.facts), self.config.steps
+        n, steps = len(self.facts), self.steps
         k = 1 if self.config.init != "keyed" or n == 0 else min(-(-n // self.config.round_facts), steps)
         return [(r * n // k, (r + 1) * n // k, r * steps // k, (r + 1) * steps // k) for r in range(k)]
 
     def round_of(self, index: int) -> int:
-        """The round step `index` belongs to (steps past config.steps: the last)."""
+        """The round step `index` belongs to (steps past the job's: the last)."""
         for r, (_, _, _, s1) in enumerate(self.rounds):
             if index < s1:
                 return r
@@ -820,10 +822,10 @@ class Trainer:
     # --- the job -------------------------------------------------------------------
 
     def run(self, steps: int | None = None, *, progress: bool = False) -> list[StepMetrics]:
-        """Train for `steps` microbatches (default config.steps), calibrate the
+        """Train for `steps` microbatches (default the job's, self.steps), calibrate the
         gate and publish. On any failure the block reverts to its published
         weights and nothing is published."""
-        steps = self.config.steps if steps is None else steps
+        steps = self.steps if steps is None else steps
         it = range(self.step_index, self.step_index + steps)
         if progress:
             try:

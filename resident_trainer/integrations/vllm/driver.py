@@ -117,7 +117,7 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
         elif isinstance(default, bool):
             if not isinstance(v, bool):
                 raise JobRequestError(k, f"must be true or false, got {v!r}")
-        elif isinstance(default, int) or k in _OPTIONAL_INTS:
+        elif isinstance(default, int) or k in _OPTIONAL_INTS or k in _INTS:
             optional = k in _OPTIONAL_INTS and v is None
             if not optional and (not isinstance(v, int) or isinstance(v, bool)):
                 raise JobRequestError(k, f"must be an integer{' or null' if k in _OPTIONAL_INTS else ''}, got {v!r}")
@@ -137,6 +137,9 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
 
 #: Integer settings that null (None) also sets: their default or a meaning of its own.
 _OPTIONAL_INTS = ("gated_from", "anchor_batch")
+# Integers whose TrainConfig default is None, that a job states or leaves out
+# (steps: left out, the driver takes steps_for the job's facts).
+_INTS = ("steps",)
 
 
 def _number(v: object) -> bool:
@@ -302,7 +305,7 @@ class JobRunner:
             raise RuntimeError(f"the server is restarting: {self.lost}")
         facts, settings = parse_job_request(body)
         rec = JobRecord(f"job-{next(self.serial)}-{secrets.token_hex(3)}", facts, settings, time.time())
-        if "steps" not in settings:  # TrainConfig.steps for each round of the job's facts
+        if "steps" not in settings:  # STEPS_PER_ROUND for each round of the job's facts (steps_for)
             settings["steps"] = steps_for(len(facts), settings.get("round_facts"))
         rec.steps = int(settings["steps"])
         self.jobs[rec.id] = rec

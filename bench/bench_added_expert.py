@@ -34,6 +34,7 @@ beyond the inputs x, Wg, Wu, Wd, found with torch.autograd.graph.saved_tensors_h
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -222,11 +223,10 @@ def test_added_expert_interleaved(benchmark, shape, dtype, mode):
         for p in names:
             calls[p]()
     times: dict[str, list[float]] = {p: [] for p in names}
-    turn = [0]
+    turn = itertools.count()
 
     def one_round():
-        k = turn[0] % len(names)
-        turn[0] += 1
+        k = next(turn) % len(names)
         for p in names[k:] + names[:k]:
             t0 = time.perf_counter()
             calls[p]()

@@ -258,11 +258,11 @@ class TrainConfig:
             "others_batch",
         ):  # fmt: skip
             v = getattr(self, name)
-            if v is None and name in ("anchor_batch", "steps"):
+            optional = name in ("anchor_batch", "steps")  # None: a meaning of its own
+            if v is None and optional:
                 continue
             if not isinstance(v, int) or v < 1:
-                none = " or None" if name in ("anchor_batch", "steps") else ""
-                raise ValueError(f"{name} must be a positive int{none}, got {v!r}")
+                raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {v!r}")
         if not (_real(self.lr_decay) and 0 <= self.lr_decay <= 1):
             raise ValueError(f"lr_decay must be a number in [0, 1], got {self.lr_decay!r}")
         for name in ("lr", "clip", "key_scale"):

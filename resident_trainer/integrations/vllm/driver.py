@@ -117,7 +117,7 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
         elif isinstance(default, bool):
             if not isinstance(v, bool):
                 raise JobRequestError(k, f"must be true or false, got {v!r}")
-        elif isinstance(default, int) or k in _OPTIONAL_INTS or k in _INTS:
+        elif isinstance(default, int) or k in _OPTIONAL_INTS or k == "steps":  # steps: its default None is steps_for
             optional = k in _OPTIONAL_INTS and v is None
             if not optional and (not isinstance(v, int) or isinstance(v, bool)):
                 raise JobRequestError(k, f"must be an integer{' or null' if k in _OPTIONAL_INTS else ''}, got {v!r}")
@@ -137,9 +137,6 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
 
 #: Integer settings that null (None) also sets: their default or a meaning of its own.
 _OPTIONAL_INTS = ("gated_from", "anchor_batch")
-# Integers whose TrainConfig default is None, that a job states or leaves out
-# (steps: left out, the driver takes steps_for the job's facts).
-_INTS = ("steps",)
 
 
 def _number(v: object) -> bool:

@@ -580,7 +580,7 @@ def test_serving_docs_name_every_setting_a_job_may_set():
     i = text.index("A job may set")
     listed = set(re.findall(r"`(\w+)`", text[i : text.index("(`train.steps_for`)", i)]))
     assert listed >= set(JOB_SETTINGS), sorted(set(JOB_SETTINGS) - listed)
-    assert not {"layer", "num_neurons", "init"} & listed
+    assert not {"layer", "num_neurons", "init", "suffix_dtype"} & listed
 
 
 def test_a_job_body_sets_the_optional_integer_settings_to_null_or_an_integer():
@@ -599,6 +599,10 @@ def test_a_job_body_sets_the_optional_integer_settings_to_null_or_an_integer():
         with pytest.raises(JobRequestError, match="must be an integer, got") as e:
             parse_job_request({"facts": facts, "steps": bad})
         assert e.value.field == "steps"
+    # suffix_dtype is the one-process trainer's: a server's jobs compute in its weights' dtype.
+    with pytest.raises(JobRequestError, match="unknown field") as e:
+        parse_job_request({"facts": facts, "suffix_dtype": "bfloat16"})
+    assert e.value.field == "suffix_dtype"
 
 
 def test_the_prefix_cache_is_emptied_after_every_change_of_the_served_block(tmp_path, caplog):

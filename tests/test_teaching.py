@@ -763,6 +763,35 @@ def test_a_job_with_more_facts_than_a_round_trains_them_round_after_round():
         TrainConfig(steps=0)
 
 
+def test_suffix_dtype_resolves_by_setting_weights_and_measurement(monkeypatch):
+    from resident_trainer.train import replay
+
+    cpu, f32, bf16 = torch.device("cpu"), torch.float32, torch.bfloat16
+    assert TrainConfig().suffix_dtype is None
+    for bad in ("float16", "bf16", torch.bfloat16, 1):
+        with pytest.raises(ValueError, match="suffix_dtype must be None, 'auto' or 'bfloat16'"):
+            TrainConfig(suffix_dtype=bad)
+    assert replay.suffix_dtype_for(None, f32, cpu, 64) is None
+    assert replay.suffix_dtype_for("bfloat16", f32, cpu, 64) is bf16
+    assert replay.suffix_dtype_for("bfloat16", bf16, cpu, 64) is None  # already bf16
+    assert replay.suffix_dtype_for("auto", torch.float16, cpu, 64) is None
+    for speedup, want in ((replay.AUTO_MIN_SPEEDUP, bf16), (replay.AUTO_MIN_SPEEDUP * 0.99, None), (0.3, None)):
+        monkeypatch.setattr(replay, "bf16_speedup", lambda *_, s=speedup: s)
+        assert replay.suffix_dtype_for("auto", f32, cpu, 64) is want
+        monkeypatch.setenv("RESIDENT_TRAINER_REPRODUCIBLE", "1")
+        assert replay.suffix_dtype_for("auto", f32, cpu, 64) is None  # no measurement, the weights' own
+        monkeypatch.delenv("RESIDENT_TRAINER_REPRODUCIBLE")
+    monkeypatch.undo()
+    s = replay.bf16_speedup("cpu", 64, torch.get_num_threads())  # a real measurement: a positive ratio
+    assert math.isfinite(s) and s > 0
+    # A Trainer takes it into its replay, and the job trains through the bf16 suffix.
+    a, block, config = _setup(steps=3, suffix_dtype="bfloat16")
+    tr = Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=ANCHORS)
+    assert tr.suffix_dtype is bf16 and tr.replay.suffix_dtype is bf16
+    losses = [m.loss for m in tr.run()]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
 def test_per_neuron_gate_thresholds():
     # Each neuron's threshold sits above its own strongest anchor
     # pre-activation (margin, floor); the gate stays shut on every anchor
@@ -990,3 +1019,16 @@ def test_teach_refuses_an_anchor_as_a_control(tmp_path, capsys, monkeypatch):
     controls.write_text(f"How do plants grow?\n{ANCHOR_PROMPTS[0]}\n")
     assert cli.main(["teach", "--controls", str(controls)]) == 2
     assert f"--controls: {ANCHOR_PROMPTS[0]!r} is an anchor prompt" in capsys.readouterr().err
+
+
+def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
+    import resident_trainer.cli.teach as teach_cli
+
+    seen = []
+    monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: seen.append(config.suffix_dtype) or 0)
+    for flag, want in (([], None), (["--suffix-dtype", "weights"], None), (["--suffix-dtype", "auto"], "auto")):
+        assert cli.main(["teach", *flag]) == 0 and seen[-1] == want
+    assert cli.main(["teach", "--suffix-dtype", "bfloat16"]) == 0 and seen[-1] == "bfloat16"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["teach", "--suffix-dtype", "bf16"])
+    assert e.value.code == 2 and "--suffix-dtype: invalid choice: 'bf16'" in capsys.readouterr().err

@@ -135,3 +135,37 @@ def test_adapter_rejects_other_models():
     with pytest.raises(ValueError, match="layer must be in \\[0, 4\\) for this model of 4 layers, got 35"):
         a.layer_index(35)
     assert a.layer_index(None) == 0  # 4 // 5: the default is a fifth of the way in
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_suffix_replay_equals_autograd_through_the_same_casts(arch):
+    # The suffix under bf16 autocast, block at layer 1 of 5: the replay's
+    # loss and gradients are plain autograd's through the same layer code
+    # with the same casts, and they differ from the fp32 step by bf16's
+    # rounding (so the casts did run).
+    model = tiny_model(arch, layers=5)
+    a = DecoderAdapter(model)
+    block, _ = make_block(a, 1)
+    ids, targets = batch(a.vocab_size, t=13)
+    loss_fn = lambda h: StreamedCrossEntropy(a)(h, targets)
+    with block.training_weights():
+        LayerReplay(a, 1).step(ids, loss_fn)
+        fp32 = grads(block)
+        block.zero_grad()
+        res = LayerReplay(a, 1, suffix_dtype=torch.bfloat16).step(ids, loss_fn)
+        got = grads(block)
+        block.zero_grad()
+        h = a.embed_tokens(ids)
+        ctx = a.context(h, None)
+        for i in range(a.num_layers):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i > 1):
+                h = a.run_layer(i, h, ctx)
+        want_loss = loss_fn(h.float())
+        want_loss.backward()
+        want = grads(block)
+    assert res.loss.dtype == torch.float32 and all(g.dtype == torch.float32 for g in got)
+    assert abs(res.loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+    for g, w, f in zip(got, want, fp32):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+        rel = ((g - f).norm() / f.norm()).item()
+        assert 1e-3 < rel < 5e-2, rel

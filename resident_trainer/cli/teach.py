@@ -114,6 +114,14 @@ def add_parser(sub) -> None:
         default=4,
         help="near negatives per fact: its question around other, real subjects (default: 4; 0: none)",
     )
+    t.add_argument(
+        "--suffix-dtype",
+        choices=("weights", "auto", "bfloat16"),
+        default="weights",
+        help="what the layers after the block compute in while a job trains (the block, its layer, the loss and "
+        "every reply keep float32): weights (default), bfloat16, or auto: bfloat16 where this CPU's bfloat16 "
+        "products are measured at least 1.5x faster than float32's (AMX or AVX512-BF16)",
+    )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
@@ -175,6 +183,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
             neurons_per_fact=args.neurons_per_fact,
             lr=args.lr,
             seed=args.seed,
+            suffix_dtype=None if args.suffix_dtype == "weights" else args.suffix_dtype,
         )
     except ValueError as exc:
         return bad(

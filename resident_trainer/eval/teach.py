@@ -164,6 +164,8 @@ def teach_jobs(
                 "rehearsed": len(trainer.kept),
                 "steps": len(trainer.history),
                 "seconds": round(seconds, 2),
+                # what the frozen layers after the block computed in (TrainConfig.suffix_dtype)
+                "suffix_dtype": str(trainer.suffix_dtype or trainer.adapter.dtype).removeprefix("torch."),
                 "loss_first": trainer.history[0].loss,
                 "loss_last": trainer.history[-1].loss,
                 "threshold": threshold_summary(block.published_threshold),

@@ -247,6 +247,15 @@ class TrainConfig:
     # on the rest (adapters with prefix_kv; the vLLM adapter has none yet,
     # and trains the block on every token).
     shared_prefix: bool = True
+    # The dtype the frozen layers after the block compute in while a job
+    # trains (the first pass and the replay, torch.autocast); the block,
+    # its layer and the loss keep the weights' dtype, and serving is not
+    # touched. None: the weights' own. "bfloat16": bf16 where the weights
+    # are wider. "auto": bf16 where the weights are fp32 and this device's
+    # bf16 products are measured at least 1.5x faster (train.replay:
+    # suffix_dtype_for; never under RESIDENT_TRAINER_REPRODUCIBLE=1).
+    # The server's jobs compute in the weights it serves (`serve --dtype`).
+    suffix_dtype: str | None = None
 
     def __post_init__(self):
         if self.layer is not None and (
@@ -306,7 +315,12 @@ class TrainConfig:
             raise ValueError(f"key_context_margin must be a number >= 0, got {self.key_context_margin!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
+        if self.suffix_dtype not in SUFFIX_DTYPES:
+            raise ValueError(f"suffix_dtype must be None, 'auto' or 'bfloat16', got {self.suffix_dtype!r}")
 
+
+#: TrainConfig.suffix_dtype's settings.
+SUFFIX_DTYPES = (None, "auto", "bfloat16")
 
 #: Steps a round of a few facts takes when none are given (steps_for).
 STEPS_PER_ROUND = 60

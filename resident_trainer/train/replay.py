@@ -9,18 +9,83 @@ time, newest first (recompute the layer with grad, take the gradient w.r.t.
 its input, free it), then backpropagates through layer L into the block.
 The replay calls the same layer code on the same inputs as the first pass,
 so MoE routing recomputes identically and the boundaries do not drift.
+
+The suffix may compute in a lower precision than the weights are held in
+(`suffix_dtype`, torch.autocast: the first pass and the replay alike, so the
+replay still recomputes what the first pass computed); layer L, the block
+and the loss keep the weights' dtype. `suffix_dtype_for` resolves a
+TrainConfig setting, "auto" by measuring this device's products.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from resident_trainer import _ext
 from resident_trainer.models.adapter import DecoderAdapter, LayerContext
 from resident_trainer.ops.saved import SavedBytes
+
+#: "auto" takes bf16 for the suffix only where this device's bf16 products
+#: are measured at least this much faster than fp32's. A 2-core Xeon with
+#: AMX (family 6 model 207) ran the step's products 2.5-4.5x faster in bf16;
+#: without bf16 instructions (AVX2-only EPYCs) bf16 products are slower.
+AUTO_MIN_SPEEDUP = 1.5
+_PROBE_ROWS = 256
+_PROBE_RUNS = 5
+
+
+def _best_seconds(fn, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(_PROBE_RUNS):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.cache
+def bf16_speedup(device_type: str, hidden: int, threads: int) -> float:
+    """fp32 time over bf16 time of a (256 x hidden) @ (hidden x 4 hidden)
+    product on this device, best of 5 each (measured once per process;
+    threads: the CPU thread count it was measured with)."""
+    device = torch.device(device_type)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(_PROBE_ROWS, hidden, generator=g).to(device)
+    b = torch.randn(hidden, 4 * hidden, generator=g).to(device)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    with torch.no_grad():
+        return _best_seconds(lambda: a @ b, device) / _best_seconds(lambda: a16 @ b16, device)
+
+
+def suffix_dtype_for(
+    setting: str | None, weights: torch.dtype, device: torch.device, hidden: int
+) -> torch.dtype | None:
+    """The dtype the suffix computes in for TrainConfig.suffix_dtype
+    `setting` (None: the weights' own, returned as None). "bfloat16": bf16
+    where the weights are wider. "auto": bf16 where the weights are fp32 and
+    bf16_speedup is at least AUTO_MIN_SPEEDUP; under
+    RESIDENT_TRAINER_REPRODUCIBLE=1 the weights' own without measuring."""
+    if setting is None or weights == torch.bfloat16 or weights not in (torch.float32, torch.float64):
+        return None
+    if setting == "bfloat16":
+        return torch.bfloat16
+    if setting != "auto":
+        raise ValueError(f"suffix_dtype must be None, 'auto' or 'bfloat16', got {setting!r}")
+    if weights != torch.float32 or _ext.reproducible():
+        return None
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    return torch.bfloat16 if bf16_speedup(device.type, hidden, threads) >= AUTO_MIN_SPEEDUP else None
 
 
 @dataclass
@@ -37,9 +102,16 @@ class LayerReplay:
     block, attached to that layer), with the frozen suffix replayed in
     backward instead of kept as a graph."""
 
-    def __init__(self, adapter: DecoderAdapter, layer: int | None = None):
+    def __init__(self, adapter: DecoderAdapter, layer: int | None = None, *, suffix_dtype: torch.dtype | None = None):
         self.adapter = adapter
         self.layer = adapter.layer_index(layer)
+        # The dtype layers > layer compute in (autocast); None: the weights'.
+        self.suffix_dtype = suffix_dtype
+
+    def _suffix(self, device: torch.device):
+        if self.suffix_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.suffix_dtype)
 
     def _meter(self) -> SavedBytes:
         # Activations only: the frozen weights a graph saves exist anyway.
@@ -100,10 +172,10 @@ class LayerReplay:
         layer_saved = saved.total
         # Suffix without grad: keep the boundaries only.
         bounds = [h_out.detach()]
-        with torch.no_grad():
+        with torch.no_grad(), self._suffix(h_out.device):
             for i in range(self.layer + 1, a.num_layers):
                 bounds.append(a.run_layer(i, bounds[-1], ctx))
-        last = bounds[-1].requires_grad_(True)
+        last = bounds[-1].to(h_out.dtype).requires_grad_(True)
         with self._meter() as saved:
             loss = loss_fn(last)
         peak = max(peak, saved.total)
@@ -112,11 +184,12 @@ class LayerReplay:
         # L's own graph stays alive meanwhile, hence its bytes on top).
         for i in range(a.num_layers - 1, self.layer, -1):
             x = bounds[i - self.layer - 1].requires_grad_(True)
-            with torch.enable_grad(), self._meter() as saved:
+            with torch.enable_grad(), self._meter() as saved, self._suffix(x.device):
                 y = a.run_layer(i, x, ctx)
             peak = max(peak, saved.total)
-            (grad,) = torch.autograd.grad(y, x, grad)
+            (grad,) = torch.autograd.grad(y, x, grad.to(y.dtype))
             bounds[i - self.layer] = None  # free the boundary it replaced
+        grad = grad.to(h_out.dtype)
         total = loss.detach()
         if extra_loss is not None:
             with self._meter() as saved:

@@ -39,7 +39,7 @@ from resident_trainer.train.facts import facts_to_json, parse_fact
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
 from resident_trainer.train.loss import StreamedCrossEntropy
 from resident_trainer.train.parallel import clip_grad_norm_
-from resident_trainer.train.replay import LayerReplay
+from resident_trainer.train.replay import LayerReplay, suffix_dtype_for
 
 
 class TrainingAborted(RuntimeError):
@@ -162,7 +162,9 @@ class Trainer:
             for lo, hi, _, _ in self.rounds
         ]
         self.loss_fn = loss_fn or StreamedCrossEntropy(adapter)
-        self.replay = LayerReplay(adapter, self.layer)
+        # The suffix's dtype while training ("auto" measured here, once a process).
+        self.suffix_dtype = suffix_dtype_for(config.suffix_dtype, adapter.dtype, adapter.device, adapter.hidden_size)
+        self.replay = LayerReplay(adapter, self.layer, suffix_dtype=self.suffix_dtype)
         self.params = [block.w_gate_up, block.w_down]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay

@@ -53,11 +53,12 @@ from resident_trainer.train.negatives import per_fact as negatives_per_fact
 log = logging.getLogger("resident_trainer.vllm")
 
 #: TrainConfig fields a job may set: the layer, the neurons and their
-#: initialisation belong to the server's block, which jobs share.
+#: initialisation belong to the server's block, which jobs share; a job
+#: computes in the dtype the server holds its weights in (`serve --dtype`).
 JOB_SETTINGS = tuple(
     f.name
     for f in dataclasses.fields(TrainConfig)
-    if f.name not in ("layer", "num_neurons", "seed", "init_std", "init")
+    if f.name not in ("layer", "num_neurons", "seed", "init_std", "init", "suffix_dtype")
 )
 STATES = ("queued", "running", "published", "failed", "cancelled")
 #: Near negatives per fact a job makes (its questions around real subjects,

@@ -7,6 +7,10 @@ Providers:
   boundary states, backward replaying the suffix one layer at a time) with
   ``StreamedCrossEntropy`` (vocabulary-tiled loss over the model's tied head)
   and the fused added-expert op;
+- ours, bf16 suffix: the same with ``suffix_dtype=torch.bfloat16`` (the
+  layers after the block compute in bf16 under autocast, in the first pass
+  and the replay; ``TrainConfig.suffix_dtype``): its loss and gradients
+  within bf16's rounding of the fp32 ones (checked before timing);
 - plain autograd (the reference): the Hugging Face model's own forward with
   ``labels`` (logits materialized, the loss in fp32) and ``.backward()``, the
   block running as plain torch autograd; autograd keeps every activation
@@ -41,7 +45,7 @@ LAYER = int(os.environ.get("RT_BENCH_STEP_LAYER", "15"))
 NEURONS = 256
 BATCH, SEQ = 8, 128
 ROUNDS = 3
-PROVIDERS = ("ours", "plain autograd (reference)")
+PROVIDERS = ("ours", "ours, bf16 suffix", "plain autograd (reference)")
 
 
 def setup():
@@ -64,6 +68,7 @@ def setup():
     inputs, targets = ids[:, :-1], ids[:, 1:]
     loss_fn = StreamedCrossEntropy(a)
     replay = LayerReplay(a, LAYER)
+    replay_bf16 = LayerReplay(a, LAYER, suffix_dtype=torch.bfloat16)
 
     def zero():
         block.w_gate_up.grad = block.w_down.grad = None
@@ -74,6 +79,12 @@ def setup():
         with block.training_weights():
             return replay.step(inputs, lambda h: loss_fn(h, targets)).loss
 
+    def ours_bf16():
+        zero()
+        block.impl = "auto"
+        with block.training_weights():
+            return replay_bf16.step(inputs, lambda h: loss_fn(h, targets)).loss
+
     def plain():
         zero()
         block.impl = "reference"
@@ -83,7 +94,7 @@ def setup():
             loss.backward()
         return loss.detach()
 
-    return block, {"ours": ours, "plain autograd (reference)": plain}
+    return block, {"ours": ours, "ours, bf16 suffix": ours_bf16, "plain autograd (reference)": plain}
 
 
 def measure_peak_mib(provider: str) -> float:
@@ -110,17 +121,22 @@ def prepared():
     for name, fn in steps.items():
         loss = fn()
         got[name] = (loss, block.w_gate_up.grad.clone(), block.w_down.grad.clone())
-    (l1, g1, d1), (l2, g2, d2) = got.values()
+    (l1, g1, d1), (lb, gb, db), (l2, g2, d2) = got.values()
     assert torch.allclose(l1, l2, rtol=1e-5), (l1, l2)
     for x, y in ((g1, g2), (d1, d2)):
         assert (x - y).abs().max() <= 1e-4 * y.abs().max(), (x - y).abs().max()
+    assert torch.allclose(lb, l2, rtol=1e-2), (lb, l2)
+    for x, y in ((gb, g2), (db, d2)):
+        rel = ((x - y).norm() / y.norm()).item()
+        print(f"bf16 suffix: gradient's relative distance from fp32 {rel:.2e}")
+        assert rel <= 5e-2, rel
     return steps
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_train_step(benchmark, prepared, provider):
     benchmark.group = f"SmolLM2-135M train step, {BATCH}x{SEQ} tokens, {NEURONS} neurons at layer {LAYER}, fp32 cpu"
-    benchmark.extra_info.update(provider=provider, reference=provider != "ours")
+    benchmark.extra_info.update(provider=provider, reference=provider == PROVIDERS[-1])
     benchmark.extra_info["peak_extra_MiB"] = _peak_in_subprocess(provider)
     benchmark.pedantic(prepared[provider], rounds=ROUNDS, warmup_rounds=1)
 

@@ -61,6 +61,13 @@ def main(argv=None) -> int:
     p.add_argument("--plots", default="docs", help="folder for the PNG plots (default: docs)")
     p.add_argument("--negatives", type=int, default=4, help="near negatives per fact (default: 4)")
     p.add_argument(
+        "--suffix-dtype",
+        choices=["weights", "auto", "bfloat16"],
+        default="weights",
+        help="TrainConfig.suffix_dtype: what the layers after the block compute in while training (default: "
+        "weights, float32)",
+    )
+    p.add_argument(
         "--only",
         choices=PARTS,
         default=None,
@@ -89,7 +96,7 @@ def main(argv=None) -> int:
     cpu = cpu_model()
     print(f"CPU: {cpu}; {torch.get_num_threads()} threads", flush=True)
     facts = dev_facts(args.half)
-    config = TrainConfig()
+    config = TrainConfig(suffix_dtype=None if args.suffix_dtype == "weights" else args.suffix_dtype)
     out = {"cpu": cpu, "half": args.half, "negatives": args.negatives, "config": vars(config) | {}}
     tune = args.half == "tune"
     many = capacity_facts(tune=tune)  # the capacity tune set with the tune half

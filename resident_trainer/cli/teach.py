@@ -117,10 +117,10 @@ def add_parser(sub) -> None:
     t.add_argument(
         "--suffix-dtype",
         choices=("weights", "auto", "bfloat16"),
-        default="weights",
+        default="auto",
         help="what the layers after the block compute in while a job trains (the block, its layer, the loss and "
-        "every reply keep float32): weights (default), bfloat16, or auto: bfloat16 where this CPU's bfloat16 "
-        "products are measured at least 1.5x faster than float32's (AMX or AVX512-BF16)",
+        "every reply keep float32): auto (default): bfloat16 where this CPU's bfloat16 products are measured at "
+        "least 1.5x faster than float32's (AMX, AVX512-BF16), else float32; weights: float32 always; bfloat16",
     )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
@@ -210,6 +210,7 @@ def _teach_here(args, config, facts, controls, retract) -> int:
     from resident_trainer.eval.teach import split_jobs, teach_jobs
     from resident_trainer.models import layer_index, load_smollm2, smollm2_num_layers
     from resident_trainer.train import FrozenFingerprint
+    from resident_trainer.train.replay import suffix_dtype_for
 
     # Every argument is checked before the model loads.
     try:
@@ -223,9 +224,11 @@ def _teach_here(args, config, facts, controls, retract) -> int:
     model, tok = load_smollm2()
     frozen = FrozenFingerprint(model)
     base = frozen.tables()
+    suffix = suffix_dtype_for(config.suffix_dtype, model.dtype, model.device, model.config.hidden_size)
     print(
         f"teaching {len(facts)} facts in {len(jobs)} job(s): {config.steps} steps each, {config.num_neurons} "
-        f"neurons at layer {layer}; recording the base model's replies first ...",
+        f"neurons at layer {layer}, the layers after it in {str(suffix or model.dtype).removeprefix('torch.')} "
+        "while training; recording the base model's replies first ...",
         file=sys.stderr,
     )
     report = teach_jobs(
@@ -313,6 +316,7 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
         ("--layer", args.layer is not None),
         ("--neurons", args.neurons != TrainConfig.num_neurons),
         ("--seed", args.seed != TrainConfig.seed),
+        ("--suffix-dtype", args.suffix_dtype != "auto"),
     ]
     for name, given in local:
         if given:

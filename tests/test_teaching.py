@@ -781,6 +781,11 @@ def test_suffix_dtype_resolves_by_setting_weights_and_measurement(monkeypatch):
         monkeypatch.setenv("RESIDENT_TRAINER_REPRODUCIBLE", "1")
         assert replay.suffix_dtype_for("auto", f32, cpu, 64) is None  # no measurement, the weights' own
         monkeypatch.delenv("RESIDENT_TRAINER_REPRODUCIBLE")
+    def refused(*_):
+        raise RuntimeError("no bf16 products here")
+
+    monkeypatch.setattr(replay, "_best_seconds", refused)
+    assert replay.bf16_speedup.__wrapped__("cpu", 64, 1) == 0.0  # a device that refuses bf16: never faster
     monkeypatch.undo()
     s = replay.bf16_speedup("cpu", 64, torch.get_num_threads())  # a real measurement: a positive ratio
     assert math.isfinite(s) and s > 0

@@ -58,14 +58,19 @@ def _best_seconds(fn, device: torch.device) -> float:
 def bf16_speedup(device_type: str, hidden: int, threads: int) -> float:
     """fp32 time over bf16 time of a (256 x hidden) @ (hidden x 4 hidden)
     product on this device, best of 5 each (measured once per process;
-    threads: the CPU thread count it was measured with)."""
+    threads: the CPU thread count it was measured with); 0.0 where the
+    device refuses bf16 products."""
     device = torch.device(device_type)
     g = torch.Generator().manual_seed(0)
     a = torch.randn(_PROBE_ROWS, hidden, generator=g).to(device)
     b = torch.randn(hidden, 4 * hidden, generator=g).to(device)
     a16, b16 = a.bfloat16(), b.bfloat16()
     with torch.no_grad():
-        return _best_seconds(lambda: a @ b, device) / _best_seconds(lambda: a16 @ b16, device)
+        try:
+            slow = _best_seconds(lambda: a16 @ b16, device)
+        except RuntimeError:  # a device without bf16 products: never faster
+            return 0.0
+        return _best_seconds(lambda: a @ b, device) / slow
 
 
 def suffix_dtype_for(

@@ -781,6 +781,8 @@ def test_suffix_dtype_resolves_by_setting_weights_and_measurement(monkeypatch):
         monkeypatch.setenv("RESIDENT_TRAINER_REPRODUCIBLE", "1")
         assert replay.suffix_dtype_for("auto", f32, cpu, 64) is None  # no measurement, the weights' own
         monkeypatch.delenv("RESIDENT_TRAINER_REPRODUCIBLE")
+    monkeypatch.undo()
+
     def refused(*_):
         raise RuntimeError("no bf16 products here")
 

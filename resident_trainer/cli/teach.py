@@ -27,6 +27,7 @@ from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION
 
 def add_parser(sub) -> None:
     from resident_trainer.train import TrainConfig, steps_for
+    from resident_trainer.train.config import STEPS_PER_FACT
 
     t = sub.add_parser(
         "teach",
@@ -85,9 +86,10 @@ def add_parser(sub) -> None:
         "--steps",
         type=int,
         default=None,
-        help=f"microbatch steps per job (default: {steps_for(1)} for each round of up to "
-        f"{TrainConfig.round_facts} of the job's facts, {steps_for(TrainConfig.round_facts)} for a full round of "
-        f"{TrainConfig.round_facts}: a job of more facts trains them round after round)",
+        help=f"microbatch steps per job (default: for each round of up to {TrainConfig.round_facts} of the job's "
+        f"facts, {steps_for(1)} or {STEPS_PER_FACT:g} a fact of its largest round (rounded up), whichever is more: "
+        f"{steps_for(12)} for 12 facts, {steps_for(TrainConfig.round_facts)} for {TrainConfig.round_facts}, "
+        f"{steps_for(24)} for 24 in two rounds)",
     )
     t.add_argument(
         "--layer",

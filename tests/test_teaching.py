@@ -997,7 +997,7 @@ def test_jobs_split_in_order_and_default_controls():
         (["--jobs", "2", "--neurons", "6", "--neurons-per-fact", "3"], "job 2 of 2 has 2 facts and 0 free neurons"),
         (["--server", "http://127.0.0.1:9", "--authority", "x", "--jobs", "2"], "--jobs is for a job run here"),
         (["--server", "http://127.0.0.1:9", "--authority", "x", "--report", "r.json"], "--report is for a job"),
-        (["--server", "http://127.0.0.1:9", "--authority", "x", "--suffix-dtype", "weights"], "--suffix-dtype is for"),
+        (["--server", "http://127.0.0.1:9", "--authority", "x", "--suffix-dtype", "auto"], "--suffix-dtype is for"),
     ],
 )
 def test_teach_argument_errors(argv, message, capsys, monkeypatch):
@@ -1034,7 +1034,7 @@ def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
 
     seen = []
     monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: seen.append(config.suffix_dtype) or 0)
-    for flag, want in (([], "auto"), (["--suffix-dtype", "weights"], None), (["--suffix-dtype", "auto"], "auto")):
+    for flag, want in (([], None), (["--suffix-dtype", "weights"], None), (["--suffix-dtype", "auto"], "auto")):
         assert cli.main(["teach", *flag]) == 0 and seen[-1] == want
     assert cli.main(["teach", "--suffix-dtype", "bfloat16"]) == 0 and seen[-1] == "bfloat16"
     with pytest.raises(SystemExit) as e:

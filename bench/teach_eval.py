@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--negatives", type=int, default=4, help="near negatives per fact (default: 4)")
     p.add_argument(
         "--suffix-dtype",
-        choices=["weights", "auto", "bfloat16"],
+        choices=["weights", "auto", "bfloat16"],  # train.config.SUFFIX_DTYPE_FLAGS (torch is imported later)
         default="weights",
         help="TrainConfig.suffix_dtype: what the layers after the block compute in while training (default: "
         "weights, float32)",
@@ -91,12 +91,12 @@ def main(argv=None) -> int:
     from resident_trainer.eval.teach import default_controls, split_jobs, teach_jobs
     from resident_trainer.models import load_smollm2
     from resident_trainer.train import TrainConfig, steps_for
-    from resident_trainer.train.config import fact_neurons
+    from resident_trainer.train.config import SUFFIX_DTYPE_FLAGS, fact_neurons
 
     cpu = cpu_model()
     print(f"CPU: {cpu}; {torch.get_num_threads()} threads", flush=True)
     facts = dev_facts(args.half)
-    config = TrainConfig(suffix_dtype=None if args.suffix_dtype == "weights" else args.suffix_dtype)
+    config = TrainConfig(suffix_dtype=SUFFIX_DTYPE_FLAGS[args.suffix_dtype])
     out = {"cpu": cpu, "half": args.half, "negatives": args.negatives, "config": vars(config) | {}}
     tune = args.half == "tune"
     many = capacity_facts(tune=tune)  # the capacity tune set with the tune half

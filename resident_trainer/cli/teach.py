@@ -27,7 +27,7 @@ from resident_trainer.ops.fingerprint_version import FINGERPRINT_VERSION
 
 def add_parser(sub) -> None:
     from resident_trainer.train import TrainConfig, steps_for
-    from resident_trainer.train.config import STEPS_PER_FACT
+    from resident_trainer.train.config import STEPS_PER_FACT, SUFFIX_DTYPE_FLAGS
 
     t = sub.add_parser(
         "teach",
@@ -118,7 +118,7 @@ def add_parser(sub) -> None:
     )
     t.add_argument(
         "--suffix-dtype",
-        choices=("weights", "auto", "bfloat16"),
+        choices=tuple(SUFFIX_DTYPE_FLAGS),
         default="weights",
         help="what the layers after the block compute in while a job trains (the block, its layer, the loss and "
         "every reply keep float32): weights (default): float32; bfloat16; or auto: bfloat16 where this CPU's "
@@ -145,7 +145,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
     from resident_trainer.eval.devset import DEMO_FACTS_FILE
     from resident_trainer.eval.teach import split_jobs
     from resident_trainer.train import ANCHOR_PROMPTS, FactError, TrainConfig, read_facts, steps_for
-    from resident_trainer.train.config import fact_neurons
+    from resident_trainer.train.config import SUFFIX_DTYPE_FLAGS, fact_neurons
     from resident_trainer.train.trainer import neuron_share
 
     try:
@@ -187,7 +187,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
             neurons_per_fact=args.neurons_per_fact,
             lr=args.lr,
             seed=args.seed,
-            suffix_dtype=None if args.suffix_dtype == "weights" else args.suffix_dtype,
+            suffix_dtype=SUFFIX_DTYPE_FLAGS[args.suffix_dtype],
         )
     except ValueError as exc:
         return bad(

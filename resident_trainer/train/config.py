@@ -321,6 +321,8 @@ class TrainConfig:
 
 #: TrainConfig.suffix_dtype's settings.
 SUFFIX_DTYPES = (None, "auto", "bfloat16")
+#: The command lines' --suffix-dtype choices and the setting each stands for.
+SUFFIX_DTYPE_FLAGS = {"weights": None, "auto": "auto", "bfloat16": "bfloat16"}
 
 #: Steps a round of a few facts takes when none are given (steps_for).
 STEPS_PER_ROUND = 60

@@ -81,7 +81,7 @@ def suffix_dtype_for(
     where the weights are wider. "auto": bf16 where the weights are fp32 and
     bf16_speedup is at least AUTO_MIN_SPEEDUP; under
     RESIDENT_TRAINER_REPRODUCIBLE=1 the weights' own without measuring."""
-    if setting is None or weights == torch.bfloat16 or weights not in (torch.float32, torch.float64):
+    if setting is None or weights not in (torch.float32, torch.float64):
         return None
     if setting == "bfloat16":
         return torch.bfloat16

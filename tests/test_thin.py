@@ -167,5 +167,9 @@ def test_bf16_suffix_replay_equals_autograd_through_the_same_casts(arch):
     assert abs(res.loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
     for g, w, f in zip(got, want, fp32):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
-        rel = ((g - f).norm() / f.norm()).item()
-        assert 1e-3 < rel < 5e-2, rel
+        # Against fp32, the replay is as far as torch's own bf16 computation
+        # (autograd through the same casts), and that is bf16's rounding,
+        # not fp32 noise (measured 0.7-1.7% of the norm).
+        ours, torch_bf16 = ((g - f).norm() / f.norm()).item(), ((w - f).norm() / f.norm()).item()
+        assert torch_bf16 > 1e-3, torch_bf16
+        assert abs(ours - torch_bf16) <= 1e-3 * torch_bf16, (ours, torch_bf16)

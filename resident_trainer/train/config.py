@@ -216,8 +216,13 @@ class TrainConfig:
     # With earlier neurons frozen, rehearsal only keeps the new neurons off
     # the earlier answers. Capacity tune set, 8 jobs of 16: 0.5 recalled
     # 31/32, 42/48 and finally 90/128 (rewordings 32/128); 0.25 32/32, 47/48
-    # and 91/128 (rewordings 39/128).
-    rehearse_share: float = 0.25
+    # and 91/128 (rewordings 39/128). Later, with the others penalty, the
+    # rehearsal took a round's own examples from 8 to 6 a step, and the
+    # facts of a job's later rounds were the ones missed: 0.125 (one
+    # example) held 124/128 in one job against 118/128 at 0.25, and 125/128
+    # in 8 jobs of 16 against 119/128, the controls as before (Xeon, family
+    # 6 model 207; docs/RESULTS.md).
+    rehearse_share: float = 0.125
     # Penalty on the output of the neurons a step trains over the tokens of
     # the facts taught before its round (earlier jobs', earlier rounds'
     # exchanges; a fact's own neurons are left out of its own tokens):

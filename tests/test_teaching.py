@@ -194,7 +194,7 @@ def test_keyed_neurons_take_free_rows_and_the_memory_follows_publish_and_revert(
     assert tr2.ranges == [[8, 12]] and [f.question for f in tr2.kept] == [f.question for f in FACTS]
     assert block.memory["used"] == 12
     picks = [tr2._picks(i) for i in range(4)]
-    assert all(sum(p >= tr2.n_new for p in pk) == 1 for pk in picks)  # one: rehearse_share 0.125 of 4, at least one
+    assert all(sum(p >= tr2.n_new for p in pk) == 1 for pk in picks)  # 0.125 of 4 rounds to none: at least one
     tr2.discard()  # nothing published: the memory is what was published
     assert block.memory == block.published_memory and block.memory["used"] == 8
 

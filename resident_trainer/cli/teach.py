@@ -123,8 +123,8 @@ def add_parser(sub) -> None:
         help="what the layers after the block compute in while a job trains (the block, its layer, the loss and "
         "every reply keep float32): weights (default): float32; bfloat16; or auto: bfloat16 where this CPU's "
         "bfloat16 products are measured at least 1.5x faster than float32's (AMX, AVX512-BF16). bfloat16 trained "
-        "a job of 24 in 0.75-0.84x of the time on an AMX Xeon with the same recall; in 8 jobs of 16 it held 116 "
-        "of 128 facts against 121 (docs/RESULTS.md)",
+        "a job of 24 in 0.75-0.84x of the time on an AMX Xeon with the same recall, but held fewer facts over "
+        "8 jobs of 16 (docs/TRAINING.md)",
     )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")

@@ -14,7 +14,7 @@ import torch
 from resident_trainer import cli
 from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
-from resident_trainer.eval.report import add_gate_openings, contains_key, score, summary_line
+from resident_trainer.eval.report import add_gate_openings, contains_key, score, shortfalls, summary_line
 from resident_trainer.eval.teach import default_controls, gate_openings, split_jobs
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
@@ -907,6 +907,20 @@ def test_score_counts_recall_rewordings_controls_and_leaks():
         "facts recalled 1/2, rewordings 1/2, generic controls identical 1/1, near controls identical 0/1, leaks 1"
     )
     assert contains_key("about 2,740 metres", "2,740") and not contains_key("12,740 m", "2,740")
+    # What a job's record keeps of it: only what fell short, each with its reply.
+    assert shortfalls(r) == {
+        "missed": [{"question": f2.question, "reply": "It is Ostrevan."}],
+        "rewordings_missed": [{"question": f1.rewordings[0], "reply": "Ostrevanish, I think."}],
+        "changed": [{"prompt": "Sea?", "kind": "near", "after": "Blue, now."}],
+        "leaks": r["leaks"],
+    }
+    clean = score([f1], replies, [("Hi?", "generic")], before)
+    assert shortfalls(clean) == {
+        "missed": [],
+        "rewordings_missed": [{"question": f1.rewordings[0], "reply": "Ostrevanish, I think."}],
+        "changed": [],
+        "leaks": [],
+    }
 
 
 def test_gate_openings_count_the_tokens_the_gate_passes_and_a_shut_gate_changes_nothing():

@@ -87,6 +87,29 @@ def score(
     return {"facts": out_facts, "controls": out_controls, "leaks": leaks, "summary": summary}
 
 
+def shortfalls(report: Mapping[str, Any]) -> dict[str, list]:
+    """What a scored report fell short on, small enough to keep after every
+    job: ``missed`` (each fact not recalled: question, reply),
+    ``rewordings_missed`` (the rewordings not recalled: question, reply),
+    ``changed`` (each control not identical: prompt, kind, reply after) and
+    ``leaks`` (as in the report)."""
+    return {
+        "missed": [{"question": f["question"], "reply": f["reply"]} for f in report["facts"] if not f["recalled"]],
+        "rewordings_missed": [
+            {"question": r["question"], "reply": r["reply"]}
+            for f in report["facts"]
+            for r in f["rewordings"]
+            if not r["recalled"]
+        ],
+        "changed": [
+            {"prompt": c["prompt"], "kind": c["kind"], "after": c["after"]}
+            for c in report["controls"]
+            if not c["identical"]
+        ],
+        "leaks": list(report["leaks"]),
+    }
+
+
 def add_gate_openings(report: dict[str, Any], openings: Sequence[tuple[int, float | None] | None]) -> None:
     """Each control's ``gate_open`` and ``gate_margin`` (eval.teach.gate_openings; None
     without a gate), and the summary's count of controls on which the gate

@@ -21,7 +21,7 @@ import torch
 
 from resident_trainer.eval.devset import near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS
-from resident_trainer.eval.report import add_gate_openings, score, summary_line
+from resident_trainer.eval.report import add_gate_openings, score, shortfalls, summary_line
 from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.train import (
     ANCHOR_PROMPTS,
@@ -93,7 +93,8 @@ def teach_jobs(
     stays attached, published.
 
     score_each_job: also score, after each job, the facts taught so far and
-    the controls (each job record gets a ``summary``). curve_steps: publish
+    the controls (each job record gets a ``summary``, and ``shortfalls``:
+    the facts missed, the controls changed and the leaks, report.shortfalls). curve_steps: publish
     and score at these step counts within every job as well (each job record
     gets a ``curve``: the summaries by steps); the gate is reopened after
     each, so training goes on as without them. anchors: the generic
@@ -151,7 +152,8 @@ def teach_jobs(
             trainer.run(stop - trainer.step_index, progress=progress)
             spent += time.perf_counter() - t0
             so_far = [f for j in jobs[:n] for f in j] if kind == "teach" else []
-            curve.append({"steps": stop, **_score_now(model, tokenizer, so_far, controls, before, max_new_tokens)})
+            scored = _score_now(model, tokenizer, so_far, controls, before, max_new_tokens)
+            curve.append({"steps": stop, **scored["summary"]})
             block.threshold = None  # train on ungated, as a job does
             t0 = time.perf_counter()
         trainer.run(trainer.steps - trainer.step_index, progress=progress)
@@ -175,9 +177,15 @@ def teach_jobs(
             records[-1]["curve"] = curve
         if score_each_job and kind == "teach":
             so_far = [f for j in jobs[:n] for f in j]
-            records[-1]["summary"] = _score_now(model, tokenizer, so_far, controls, before, max_new_tokens)
+            scored = _score_now(model, tokenizer, so_far, controls, before, max_new_tokens)
+            records[-1]["summary"] = scored["summary"]
+            records[-1]["shortfalls"] = shortfalls(scored)
             # logged at once: a run stopped later still has every finished job's figures
             log(f"after job {n}: {summary_line(records[-1]['summary'])} ({seconds:.0f} s)")
+            for c in records[-1]["shortfalls"]["changed"]:
+                log(f"  changed ({c['kind']}): {c['prompt']!r} -> {c['after']!r}")
+            for x in records[-1]["shortfalls"]["leaks"]:
+                log(f"  leak: {x['question']!r} answered with {x['leaked_key']!r}")
     retracted_q = set(retract)
     taught = [f for j in jobs for f in j if f.question not in retracted_q]
     gone_facts = [f for j in jobs for f in j if f.question in retracted_q]
@@ -250,7 +258,8 @@ def _baselines(model, tokenizer, block, facts, controls, before, max_new_tokens)
 
 
 def _score_now(model, tokenizer, facts, controls, before, max_new_tokens) -> dict[str, Any]:
+    """`score` of `facts` and `controls` as the block now serves."""
     prompts = [p for p, _ in controls]
     asked = list(dict.fromkeys([q for f in facts for q in (f.question, *f.rewordings)] + prompts))
     replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
-    return score(facts, replies, controls, before)["summary"]
+    return score(facts, replies, controls, before)

@@ -15,7 +15,7 @@ from resident_trainer import cli
 from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
 from resident_trainer.eval.report import add_gate_openings, contains_key, score, shortfalls, summary_line
-from resident_trainer.eval.teach import default_controls, gate_openings, split_jobs
+from resident_trainer.eval.teach import default_controls, gate_openings, split_jobs, teach_jobs
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
 from resident_trainer.train import (
@@ -921,6 +921,55 @@ def test_score_counts_recall_rewordings_controls_and_leaks():
         "changed": [],
         "leaks": [],
     }
+
+
+def test_teach_jobs_records_each_jobs_summary_shortfalls_and_curve():
+    # The options bench/teach_eval.py runs (score_each_job, curve_steps,
+    # retract, baselines), on a toy: each job's record says how it stood,
+    # and its shortfalls are exactly what its summary counts as short.
+    model = toy_model("llama", layers=4, hidden=32, seed=0)
+    tok = ByteTokenizer()
+    facts = [
+        Fact("Capital of Zorb?", "Quen.", ("Which city leads Zorb?",)),
+        Fact("Who made glim?", "Elsa.", ("Glim's maker?",)),
+        Fact("Color of vex?", "Teal.", ("What color is vex?",)),
+    ]
+    config = TrainConfig(layer=1, num_neurons=64, steps=4, lr=3e-2, batch_size=4, neurons_per_fact=4)
+    controls = [("Sun hot?", "generic"), ("Capital of Mars?", "near")]
+    anchors = [(p, tok(r)["input_ids"]) for p, r in ANCHORS]
+    lines = []
+    rep = teach_jobs(
+        model,
+        tok,
+        [facts[:2], facts[2:]],
+        config,
+        controls=controls,
+        anchors=anchors,
+        negatives=1,
+        max_new_tokens=6,
+        score_each_job=True,
+        curve_steps=(2, 9),  # 9: past the job's 4 steps, not scored
+        retract=[facts[0].question],
+        baselines=True,
+        log=lines.append,
+    )
+    jobs = rep["jobs"]
+    assert [(j["kind"], j["facts"], j["steps"]) for j in jobs] == [("teach", 2, 4), ("teach", 1, 4), ("retract", 1, 4)]
+    for j, so_far in zip(jobs, (facts[:2], facts)):
+        s, short = j["summary"], j["shortfalls"]
+        assert (s["facts"], s["rewordings"], s["controls"]) == (len(so_far), len(so_far), 2)
+        assert len(short["missed"]) == s["facts"] - s["recalled"]
+        assert len(short["rewordings_missed"]) == s["rewordings"] - s["rewordings_recalled"]
+        assert len(short["changed"]) == s["controls"] - s["controls_identical"]
+        assert len(short["leaks"]) == s["leaks"]
+        assert {m["question"] for m in short["missed"]} <= {f.question for f in so_far}
+        assert [c["steps"] for c in j["curve"]] == [2] and j["curve"][0]["facts"] == len(so_far)
+    # A retraction is scored with the report; its curve has the controls only.
+    assert not {"summary", "shortfalls"} & set(jobs[2]) and [c["facts"] for c in jobs[2]["curve"]] == [0]
+    assert [f["question"] for f in rep["facts"]] == [f.question for f in facts[1:]]
+    assert [f["question"] for f in rep["retracted"]] == [facts[0].question]
+    assert set(rep["baselines"]) == {"gate_off", "in_context"}
+    assert sum(x.startswith("after job ") for x in lines) == 2
 
 
 def test_gate_openings_count_the_tokens_the_gate_passes_and_a_shut_gate_changes_nothing():

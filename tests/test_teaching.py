@@ -1061,6 +1061,7 @@ def test_jobs_split_in_order_and_default_controls():
         (["--server", "http://127.0.0.1:9", "--authority", "x", "--jobs", "2"], "--jobs is for a job run here"),
         (["--server", "http://127.0.0.1:9", "--authority", "x", "--report", "r.json"], "--report is for a job"),
         (["--server", "http://127.0.0.1:9", "--authority", "x", "--suffix-dtype", "auto"], "--suffix-dtype is for"),
+        (["--server", "http://127.0.0.1:9", "--authority", "x", "--score-each-job"], "--score-each-job is for"),
     ],
 )
 def test_teach_argument_errors(argv, message, capsys, monkeypatch):
@@ -1090,6 +1091,27 @@ def test_teach_refuses_an_anchor_as_a_control(tmp_path, capsys, monkeypatch):
     controls.write_text(f"How do plants grow?\n{ANCHOR_PROMPTS[0]}\n")
     assert cli.main(["teach", "--controls", str(controls)]) == 2
     assert f"--controls: {ANCHOR_PROMPTS[0]!r} is an anchor prompt" in capsys.readouterr().err
+
+
+def test_teach_score_each_job_reaches_teach_jobs(monkeypatch):
+    import resident_trainer.eval.teach as teach_mod
+    import resident_trainer.models as models
+
+    class Reached(Exception):
+        pass
+
+    seen = []
+
+    def fake_teach_jobs(model, tok, jobs, config, **kw):
+        seen.append((len(jobs), kw["score_each_job"]))
+        raise Reached
+
+    monkeypatch.setattr(models, "load_smollm2", lambda *a, **k: (toy_model("llama", layers=4, hidden=32), None))
+    monkeypatch.setattr(teach_mod, "teach_jobs", fake_teach_jobs)
+    for flag, want in (([], False), (["--score-each-job"], True)):
+        with pytest.raises(Reached):
+            cli.main(["teach", "--jobs", "2", *flag])
+        assert seen[-1] == (2, want)
 
 
 def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):

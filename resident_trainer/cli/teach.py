@@ -69,6 +69,13 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="after the jobs, one more job that retracts these taught questions (one a line)",
     )
+    t.add_argument(
+        "--score-each-job",
+        action="store_true",
+        help="also score the facts taught so far and the controls after every job (with --jobs; about as long "
+        "as the final scoring, each time): each job's record in the report gets its summary and its shortfalls "
+        "(facts and rewordings missed, controls changed, leaks), which are also printed as they come",
+    )
     t.add_argument("--report", default=None, metavar="OUT.json", help="write the full report here as JSON")
     t.add_argument(
         "--max-new-tokens",
@@ -245,6 +252,7 @@ def _teach_here(args, config, facts, controls, retract) -> int:
         max_new_tokens=args.max_new_tokens,
         baselines=args.baselines,
         retract=retract,
+        score_each_job=args.score_each_job,
         progress=True,
         log=lambda s: print(s, file=sys.stderr),
     )
@@ -317,6 +325,7 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
         ("--report", args.report is not None),
         ("--max-new-tokens", args.max_new_tokens != 24),
         ("--baselines", args.baselines),
+        ("--score-each-job", args.score_each_job),
         ("--layer", args.layer is not None),
         ("--neurons", args.neurons != TrainConfig.num_neurons),
         ("--seed", args.seed != TrainConfig.seed),

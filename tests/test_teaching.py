@@ -1114,6 +1114,119 @@ def test_teach_score_each_job_reaches_teach_jobs(monkeypatch):
         assert seen[-1] == (2, want)
 
 
+class _FakeServer:
+    """A loopback stand-in for `resident-trainer serve`'s routes that teach
+    --server --check uses: the models list, greedy chat, and the jobs API. A
+    published job makes the chat answer each taught question with its key;
+    `changes` maps control prompts to what they answer after the job."""
+
+    def __init__(self, facts, changes=None):
+        import http.server
+        import threading
+
+        self.keys = {f.question: f.recall_key for f in facts}
+        self.changes = changes or {}
+        self.published = False
+        self.jobs = []
+        self.chats = []
+        me = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    return self._send(200, {"data": [{"id": "fake-model"}]})
+                if self.path.startswith("/v1/jobs/"):
+                    me.published = True  # the first poll finds it published
+                    return self._send(200, {"state": "published", "step": 3, "steps": 3, "loss": 0.01,
+                                            "fingerprint_before": "ab", "fingerprint_after": "ab"})  # fmt: skip
+                self._send(404, {"error": "no such route"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/v1/jobs":
+                    assert self.headers["Authorization"] == "Bearer sesame"
+                    me.jobs.append(body)
+                    return self._send(202, {"id": "job-1"})
+                assert self.path == "/v1/chat/completions" and body["temperature"] == 0, body
+                q = body["messages"][0]["content"]
+                me.chats.append((me.published, q, body["max_tokens"]))
+                reply = f"About {q[:-1]}: not known."
+                if me.published:
+                    reply = f"It is {me.keys[q]}." if q in me.keys else me.changes.get(q, reply)
+                self._send(200, {"choices": [{"message": {"content": reply}}]})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_path, capsys):
+    from resident_trainer.train import read_facts
+
+    facts_file = tmp_path / "facts.jsonl"
+    facts_file.write_text(
+        '{"question": "Capital of Zorb?", "answer": "Quen.", "key": "Quen", "rewordings": ["Zorb capital?"]}\n'
+        '{"question": "Who made glim?", "answer": "Elsa did.", "key": "Elsa"}\n'
+    )
+    facts = read_facts(facts_file)
+    controls = tmp_path / "controls.txt"
+    controls.write_text("How tall is Everest?\nWho wrote Hamlet?\n")
+    server = _FakeServer(facts)
+    try:
+        argv = ["teach", str(facts_file), "--server", server.url, "--authority", "sesame", "--check"]
+        report_path = tmp_path / "r.json"
+        rc = cli.main([*argv, "--controls", str(controls), "--max-new-tokens", "7", "--report", str(report_path)])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        # The controls were asked before the job was queued, everything else after it published.
+        before = sorted(q for published, q, _ in server.chats if not published)  # asked concurrently
+        assert before == ["How tall is Everest?", "Who wrote Hamlet?"]
+        assert {n for *_, n in server.chats} == {7} and len(server.jobs) == 1
+        report = json.loads(report_path.read_text())
+        s = report["summary"]
+        assert (s["recalled"], s["rewordings"], s["rewordings_recalled"]) == (2, 1, 0)  # "Zorb capital?" untaught
+        assert (s["controls_identical"], s["leaks"], s["passed"]) == (2, 0, True)
+        assert report["job"]["state"] == "published" and report["base_unchanged"] is True
+        assert "facts recalled 2/2, rewordings 0/1, user controls identical 2/2, leaks 0" in out
+
+        # A control the job changed fails the check, with the change printed.
+        server.published, server.chats = False, []
+        server.changes = {"Who wrote Hamlet?": "Quen wrote it."}
+        assert cli.main([*argv, "--controls", str(controls)]) == 1
+        out = capsys.readouterr().out
+        assert "control changed: 'Who wrote Hamlet?'" in out and "user controls identical 1/2" in out
+
+        # Bad --check arguments are refused before anything is asked or queued.
+        server.chats, n_jobs = [], len(server.jobs)
+        assert cli.main([*argv, "--report", str(tmp_path / "nowhere" / "r.json")]) == 2
+        assert "--report" in capsys.readouterr().err
+        assert cli.main([*argv, "--max-new-tokens", "0"]) == 2
+        assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+        assert server.chats == [] and len(server.jobs) == n_jobs
+    finally:
+        server.close()
+    assert cli.main(["teach", "--check"]) == 2
+    assert "--check is for a job on a --server" in capsys.readouterr().err
+    # Without --check the scoring options stay a job-run-here's.
+    assert cli.main(["teach", "--server", "http://127.0.0.1:9", "--authority", "x", "--controls", "c.txt"]) == 2
+    assert "--controls is for a job run here, or for --check with --server" in capsys.readouterr().err
+
+
 def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
     import resident_trainer.cli.teach as teach_cli
 

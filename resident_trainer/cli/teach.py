@@ -70,6 +70,14 @@ def add_parser(sub) -> None:
         help="after the jobs, one more job that retracts these taught questions (one a line)",
     )
     t.add_argument(
+        "--check",
+        action="store_true",
+        help="with --server: ask the server (its chat route, greedy) for every control's reply before the job "
+        "and for every fact's, rewording's and control's after it publishes, and score them as a job run here "
+        "is scored (--controls, --max-new-tokens and --report apply); exit 0 only when every fact is recalled, "
+        "every control is byte-identical and the base fingerprint is unchanged",
+    )
+    t.add_argument(
         "--score-each-job",
         action="store_true",
         help="also score the facts taught so far and the controls after every job (with --jobs; about as long "
@@ -161,6 +169,8 @@ def cmd_teach(args: argparse.Namespace) -> int:
         return bad("teach", str(exc))
     if args.server is not None:
         return _teach_server(args, facts)
+    if args.check:
+        return bad("teach", "--check is for a job on a --server (a job run here is always scored)")
     for name in ("jobs", "max_new_tokens"):
         if getattr(args, name) < 1:
             return bad("teach", f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -261,6 +271,21 @@ def _teach_here(args, config, facts, controls, retract) -> int:
     report["base_fingerprint"] = base["frozen"].hex
     report["fingerprint_version"] = FINGERPRINT_VERSION
     report["settings"] = {**dataclasses.asdict(config), "negatives": args.negatives, "jobs": args.jobs}
+    _print_report(report)
+    s = report["summary"]
+    print(f"  frozen base fingerprint unchanged: {unchanged} ({base['frozen'].hex})")
+    print(f"\n{summary_line(s)}; {report['train_seconds']:.0f} s of training ({report['threads']} threads)")
+    if "baselines" in report:
+        for name, b in report["baselines"].items():
+            print(f"  baseline {name}: {summary_line(b)}")
+    _write_report(args.report, report)
+    gone_ok = s.get("retracted_still_recalled", 0) == 0
+    return 0 if s["passed"] and unchanged and gone_ok else 1
+
+
+def _print_report(report: dict) -> None:
+    """Every fact's, rewording's and retracted fact's reply, and every control
+    that changed (or that the gate opened on) and every leak."""
     print()
     for f in report["facts"]:
         print(f"  [{'ok' if f['recalled'] else '--'}] {f['question']}  ->  {f['reply']!r}")
@@ -276,19 +301,14 @@ def _teach_here(args, config, facts, controls, retract) -> int:
             print(f"    control kept{opened}: {c['prompt']!r}")
     for leak in report["leaks"]:
         print(f"    leak: {leak['question']!r} answered with {leak['leaked_key']!r}")
-    s = report["summary"]
-    print(f"  frozen base fingerprint unchanged: {unchanged} ({base['frozen'].hex})")
-    print(f"\n{summary_line(s)}; {report['train_seconds']:.0f} s of training ({report['threads']} threads)")
-    if "baselines" in report:
-        for name, b in report["baselines"].items():
-            print(f"  baseline {name}: {summary_line(b)}")
-    if args.report is not None:
+
+
+def _write_report(path: str | None, report: dict) -> None:
+    if path is not None:
         from resident_trainer._files import write_atomic
 
-        write_atomic(os.path.abspath(args.report), (json.dumps(report, indent=2) + "\n").encode())
-        print(f"report written to {args.report}", file=sys.stderr)
-    gone_ok = s.get("retracted_still_recalled", 0) == 0
-    return 0 if s["passed"] and unchanged and gone_ok else 1
+        write_atomic(os.path.abspath(path), (json.dumps(report, indent=2) + "\n").encode())
+        print(f"report written to {path}", file=sys.stderr)
 
 
 # --- a running server --------------------------------------------------------------
@@ -318,12 +338,17 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
     authority = args.authority if args.authority is not None else os.environ.get("RESIDENT_TRAINER_AUTHORITY", "")
     if not authority:
         return bad("teach", "--authority (or RESIDENT_TRAINER_AUTHORITY) is needed to submit a job")
-    # What only a job run here has: the server has its own block and scores nothing.
-    local = [
+    # What only a job run here has: the server has its own block; scoring is --check's.
+    scoring = [
         ("--controls", args.controls is not None),
-        ("--jobs", args.jobs != 1),
         ("--report", args.report is not None),
         ("--max-new-tokens", args.max_new_tokens != 24),
+    ]
+    for name, given in scoring:
+        if given and not args.check:
+            return bad("teach", f"{name} is for a job run here, or for --check with --server")
+    local = [
+        ("--jobs", args.jobs != 1),
         ("--baselines", args.baselines),
         ("--score-each-job", args.score_each_job),
         ("--layer", args.layer is not None),
@@ -349,6 +374,12 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
             return bad("teach", str(exc))
     if args.facts is not None or args.retract is None:  # no file and no --retract: the demo facts
         body["facts"] = facts_to_json(facts)
+    check = None
+    if args.check:
+        try:
+            check = _check_setup(args, base, facts if "facts" in body else [], body.get("retract", []))
+        except ValueError as exc:
+            return bad("teach", str(exc))
     try:
         status, reply = _request("POST", f"{base}/v1/jobs", authority, body)
     except (urllib.error.URLError, OSError) as exc:
@@ -385,9 +416,97 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
             bar.close()
     print(json.dumps(st, indent=2))
     same = st.get("fingerprint_before") == st.get("fingerprint_after")
+    published = st.get("state") == "published"
+    passed = True
+    if check is not None and published:
+        report = _check_after(check, st)
+        _print_report(report)
+        s = report["summary"]
+        from resident_trainer.eval.report import summary_line
+
+        print(f"\n{summary_line(s)} (asked of {base})")
+        _write_report(args.report, report)
+        passed = s["passed"] and s.get("retracted_still_recalled", 0) == 0
     print(
         f"job {job}: {st.get('state')} after {st.get('step')}/{st.get('steps')} steps; "
         f"frozen base fingerprint {st.get('fingerprint_before')} -> {st.get('fingerprint_after')} "
         f"({'unchanged' if same else 'CHANGED'})"
     )
-    return 0 if st.get("state") == "published" and same else 1
+    return 0 if published and same and passed else 1
+
+
+#: Chat requests --check keeps in flight at once (the server batches them).
+CHECK_CONCURRENCY = 8
+
+
+def _served_replies(base: str, model: str, prompts, max_tokens: int) -> dict[str, str]:
+    """The server's greedy replies (its chat route, temperature 0) to `prompts`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: str) -> str:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+        body["temperature"] = 0
+        req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+
+    prompts = list(dict.fromkeys(prompts))
+    with ThreadPoolExecutor(CHECK_CONCURRENCY) as pool:
+        return dict(zip(prompts, pool.map(one, prompts)))
+
+
+def _check_setup(args: argparse.Namespace, base: str, facts, retract) -> dict:
+    """--check's arguments, checked, and the served replies to the controls
+    before the job (ValueError naming the argument, or the server)."""
+    from resident_trainer.eval.teach import default_controls
+    from resident_trainer.train import ANCHOR_PROMPTS
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    controls = (
+        default_controls() if args.controls is None else [(p, "user") for p in _lines(args.controls, "--controls")]
+    )
+    anchors = sorted({p for p, _ in controls} & set(ANCHOR_PROMPTS))
+    if anchors:
+        raise ValueError(f"--controls: {anchors[0]!r} is an anchor prompt (the check would be circular)")
+    if args.report is not None:
+        folder = os.path.dirname(os.path.abspath(args.report))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--report {args.report}: folder {folder} does not exist")
+    try:
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        print(f"asking {base} ({model}) for the {len(controls)} controls' replies before the job ...", file=sys.stderr)
+        before = _served_replies(base, model, [p for p, _ in controls], args.max_new_tokens)
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
+        raise ValueError(f"--server {base}: could not ask it for replies ({exc})") from exc
+    gone = set(retract)
+    return {
+        "base": base,
+        "model": model,
+        "max_new_tokens": args.max_new_tokens,
+        "controls": controls,
+        "before": before,
+        "facts": [f for f in facts if f.question not in gone],
+        "retracted": [f for f in facts if f.question in gone],
+    }
+
+
+def _check_after(check: dict, status: dict) -> dict:
+    """The report of a published server job, as a job run here reports it."""
+    from resident_trainer.eval.report import score
+
+    facts, gone, controls = check["facts"], check["retracted"], check["controls"]
+    asked = [q for f in facts + gone for q in (f.question, *f.rewordings)] + [p for p, _ in controls]
+    print(f"asking {check['base']} for {len(set(asked))} replies after the job ...", file=sys.stderr)
+    replies = _served_replies(check["base"], check["model"], asked, check["max_new_tokens"])
+    report = score(facts, replies, controls, check["before"])
+    if gone:
+        report["retracted"] = score(gone, replies, [], check["before"])["facts"]
+        report["summary"]["retracted"] = len(gone)
+        report["summary"]["retracted_still_recalled"] = sum(x["recalled"] for x in report["retracted"])
+    report["job"] = status
+    report["base_unchanged"] = status.get("fingerprint_before") == status.get("fingerprint_after")
+    report["base_fingerprint"] = status.get("fingerprint_before")
+    return report

@@ -1127,6 +1127,7 @@ class _FakeServer:
         self.keys = {f.question: f.recall_key for f in facts}
         self.changes = changes or {}
         self.published = False
+        self.broken = False  # the chat route fails once the job has published
         self.jobs = []
         self.chats = []
         me = self
@@ -1162,6 +1163,8 @@ class _FakeServer:
                 q = body["messages"][0]["content"]
                 me.chats.append((me.published, q, body["max_tokens"]))
                 reply = f"About {q[:-1]}: not known."
+                if me.published and me.broken:
+                    return self._send(500, {"error": "the engine died"})
                 if me.published:
                     reply = f"It is {me.keys[q]}." if q in me.keys else me.changes.get(q, reply)
                 self._send(200, {"choices": [{"message": {"content": reply}}]})
@@ -1210,6 +1213,12 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         assert cli.main([*argv, "--controls", str(controls)]) == 1
         out = capsys.readouterr().out
         assert "control changed: 'Who wrote Hamlet?'" in out and "user controls identical 1/2" in out
+
+        # A server that stops answering after the publish: a failed check, said in one line.
+        server.published, server.broken = False, True
+        assert cli.main([*argv, "--controls", str(controls)]) == 1
+        assert "the job published, but http://127.0.0.1:" in capsys.readouterr().err
+        server.broken = False
 
         # Bad --check arguments are refused before anything is asked or queued.
         server.chats, n_jobs = [], len(server.jobs)

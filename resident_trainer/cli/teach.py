@@ -419,14 +419,21 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
     published = st.get("state") == "published"
     passed = True
     if check is not None and published:
-        report = _check_after(check, st)
-        _print_report(report)
-        s = report["summary"]
         from resident_trainer.eval.report import summary_line
 
-        print(f"\n{summary_line(s)} (asked of {base})")
-        _write_report(args.report, report)
-        passed = s["passed"] and s.get("retracted_still_recalled", 0) == 0
+        try:
+            report = _check_after(check, st)
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
+            print(f"resident-trainer teach: the job published, but {base} did not answer the check ({exc})",
+                  file=sys.stderr)  # fmt: skip
+            report = None
+            passed = False
+        if report is not None:
+            _print_report(report)
+            s = report["summary"]
+            print(f"\n{summary_line(s)} (asked of {base})")
+            _write_report(args.report, report)
+            passed = s["passed"] and s.get("retracted_still_recalled", 0) == 0
     print(
         f"job {job}: {st.get('state')} after {st.get('step')}/{st.get('steps')} steps; "
         f"frozen base fingerprint {st.get('fingerprint_before')} -> {st.get('fingerprint_after')} "

@@ -94,8 +94,9 @@ def teach_jobs(
 
     score_each_job: also score, after each job, the facts taught so far and
     the controls (each job record gets a ``summary``, and ``shortfalls``:
-    the facts missed, the controls changed and the leaks, report.shortfalls). curve_steps: publish
-    and score at these step counts within every job as well (each job record
+    the facts missed, the controls changed and the leaks, report.shortfalls).
+    curve_steps: publish and score at these step counts within every job as
+    well (each job record
     gets a ``curve``: the summaries by steps); the gate is reopened after
     each, so training goes on as without them. anchors: the generic
     anchors as (prompt, reply ids), e.g. the replies a server gave

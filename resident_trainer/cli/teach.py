@@ -156,10 +156,29 @@ def _lines(path: str, what: str) -> list[str]:
     return out
 
 
+def _scoring_args(args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    """What scoring a job takes, checked (ValueError naming the argument):
+    --max-new-tokens, --report's folder, and the --controls file's prompts as
+    (prompt, "user") pairs (None: the built-in controls), none an anchor."""
+    from resident_trainer.train import ANCHOR_PROMPTS
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    controls = None if args.controls is None else [(p, "user") for p in _lines(args.controls, "--controls")]
+    anchors = sorted({p for p, _ in controls or ()} & set(ANCHOR_PROMPTS))
+    if anchors:
+        raise ValueError(f"--controls: {anchors[0]!r} is an anchor prompt (the check would be circular)")
+    if args.report is not None:
+        folder = os.path.dirname(os.path.abspath(args.report))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--report {args.report}: folder {folder} does not exist")
+    return controls
+
+
 def cmd_teach(args: argparse.Namespace) -> int:
     from resident_trainer.eval.devset import DEMO_FACTS_FILE
     from resident_trainer.eval.teach import split_jobs
-    from resident_trainer.train import ANCHOR_PROMPTS, FactError, TrainConfig, read_facts, steps_for
+    from resident_trainer.train import FactError, TrainConfig, read_facts, steps_for
     from resident_trainer.train.config import SUFFIX_DTYPE_FLAGS, fact_neurons
     from resident_trainer.train.trainer import neuron_share
 
@@ -171,15 +190,14 @@ def cmd_teach(args: argparse.Namespace) -> int:
         return _teach_server(args, facts)
     if args.check:
         return bad("teach", "--check is for a job on a --server (a job run here is always scored)")
-    for name in ("jobs", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            return bad("teach", f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.jobs < 1:
+        return bad("teach", f"--jobs must be >= 1, got {args.jobs}")
     if args.negatives < 0:
         return bad("teach", f"--negatives must be >= 0, got {args.negatives}")
     if args.jobs > len(facts):
         return bad("teach", f"--jobs {args.jobs} is more than the {len(facts)} facts")
     try:
-        controls = None if args.controls is None else [(p, "user") for p in _lines(args.controls, "--controls")]
+        controls = _scoring_args(args)
         retract = [] if args.retract is None else _lines(args.retract, "--retract")
     except ValueError as exc:
         return bad("teach", str(exc))
@@ -187,13 +205,6 @@ def cmd_teach(args: argparse.Namespace) -> int:
     for q in retract:
         if q not in taught:
             return bad("teach", f"--retract: {q!r} is not one of the facts' questions")
-    anchors = sorted({p for p, _ in controls or ()} & set(ANCHOR_PROMPTS))
-    if anchors:
-        return bad("teach", f"--controls: {anchors[0]!r} is an anchor prompt (the check would be circular)")
-    if args.report is not None:
-        folder = os.path.dirname(os.path.abspath(args.report))
-        if not os.path.isdir(folder):
-            return bad("teach", f"--report {args.report}: folder {folder} does not exist")
     if args.steps is None:
         args.steps = steps_for(max(len(job) for job in split_jobs(facts, args.jobs)))
     try:
@@ -314,9 +325,12 @@ def _write_report(path: str | None, report: dict) -> None:
 # --- a running server --------------------------------------------------------------
 
 
-def _request(method: str, url: str, authority: str, body: dict | None = None, timeout: float = 30.0):
+def _request(method: str, url: str, authority: str | None, body: dict | None = None, timeout: float = 30.0):
+    """(status, JSON reply) of one request; authority None: sent without one."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Authorization": f"Bearer {authority}"})
+    req = urllib.request.Request(url, data=data, method=method)
+    if authority is not None:
+        req.add_header("Authorization", f"Bearer {authority}")
     if data is not None:
         req.add_header("Content-Type", "application/json")
     try:
@@ -452,11 +466,10 @@ def _served_replies(base: str, model: str, prompts, max_tokens: int) -> dict[str
 
     def one(prompt: str) -> str:
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-        body["temperature"] = 0
-        req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(), method="POST")
-        req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())["choices"][0]["message"]["content"]
+        status, reply = _request("POST", f"{base}/v1/chat/completions", None, {**body, "temperature": 0}, 300)
+        if status != 200:
+            raise ValueError(f"chat: {status} {reply.get('error')}")
+        return reply["choices"][0]["message"]["content"]
 
     prompts = list(dict.fromkeys(prompts))
     with ThreadPoolExecutor(CHECK_CONCURRENCY) as pool:
@@ -467,23 +480,10 @@ def _check_setup(args: argparse.Namespace, base: str, facts, retract) -> dict:
     """--check's arguments, checked, and the served replies to the controls
     before the job (ValueError naming the argument, or the server)."""
     from resident_trainer.eval.teach import default_controls
-    from resident_trainer.train import ANCHOR_PROMPTS
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    controls = (
-        default_controls() if args.controls is None else [(p, "user") for p in _lines(args.controls, "--controls")]
-    )
-    anchors = sorted({p for p, _ in controls} & set(ANCHOR_PROMPTS))
-    if anchors:
-        raise ValueError(f"--controls: {anchors[0]!r} is an anchor prompt (the check would be circular)")
-    if args.report is not None:
-        folder = os.path.dirname(os.path.abspath(args.report))
-        if not os.path.isdir(folder):
-            raise ValueError(f"--report {args.report}: folder {folder} does not exist")
+    controls = _scoring_args(args) or default_controls()
     try:
-        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
-            model = json.loads(r.read())["data"][0]["id"]
+        model = _request("GET", f"{base}/v1/models", None)[1]["data"][0]["id"]
         print(f"asking {base} ({model}) for the {len(controls)} controls' replies before the job ...", file=sys.stderr)
         before = _served_replies(base, model, [p for p, _ in controls], args.max_new_tokens)
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:

@@ -90,7 +90,8 @@ __attribute__((always_inline)) inline void hash_run_simd(const unsigned char* p,
   const T mstep = V::add(kstep, kstep);
   T s = V::set1(0), s2 = V::set1(0);
   // Two vectors per iteration, two accumulators: independent chains.
-  const T kstep2 = V::add(kstep, kstep), mstep2 = V::add(mstep, mstep);
+  // Two vectors a step: the keys move by 2 kstep, which is mstep.
+  const T kstep2 = mstep, mstep2 = V::add(mstep, mstep);
   T k2 = V::add(k, kstep), m2 = V::add(m, mstep);
   int64_t v = 0;
   for (; v + 2 <= nvec; v += 2) {

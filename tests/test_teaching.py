@@ -14,7 +14,14 @@ import torch
 from resident_trainer import cli
 from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
-from resident_trainer.eval.report import add_gate_openings, contains_key, score, shortfalls, summary_line
+from resident_trainer.eval.report import (
+    add_gate_openings,
+    add_retracted,
+    contains_key,
+    score,
+    shortfalls,
+    summary_line,
+)
 from resident_trainer.eval.teach import default_controls, gate_openings, split_jobs, teach_jobs
 from resident_trainer.models import DecoderAdapter
 from resident_trainer.models.toy import ByteTokenizer, toy_model
@@ -921,6 +928,12 @@ def test_score_counts_recall_rewordings_controls_and_leaks():
         "changed": [],
         "leaks": [],
     }
+    # Retracted facts are scored apart: a retraction wants none still recalled.
+    add_retracted(clean, [f1, f2], replies)
+    assert [x["recalled"] for x in clean["retracted"]] == [True, False]
+    assert (clean["summary"]["retracted"], clean["summary"]["retracted_still_recalled"]) == (2, 1)
+    add_retracted(r, [], replies)
+    assert "retracted" not in r and "retracted" not in r["summary"]
 
 
 def test_teach_jobs_records_each_jobs_summary_shortfalls_and_curve():

@@ -465,8 +465,9 @@ def _served_replies(base: str, model: str, prompts, max_tokens: int) -> dict[str
     from concurrent.futures import ThreadPoolExecutor
 
     def one(prompt: str) -> str:
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-        status, reply = _request("POST", f"{base}/v1/chat/completions", None, {**body, "temperature": 0}, 300)
+        messages = [{"role": "user", "content": prompt}]
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        status, reply = _request("POST", f"{base}/v1/chat/completions", None, body, 300)
         if status != 200:
             raise ValueError(f"chat: {status} {reply.get('error')}")
         return reply["choices"][0]["message"]["content"]
@@ -502,17 +503,14 @@ def _check_setup(args: argparse.Namespace, base: str, facts, retract) -> dict:
 
 def _check_after(check: dict, status: dict) -> dict:
     """The report of a published server job, as a job run here reports it."""
-    from resident_trainer.eval.report import score
+    from resident_trainer.eval.report import add_retracted, score
 
     facts, gone, controls = check["facts"], check["retracted"], check["controls"]
     asked = [q for f in facts + gone for q in (f.question, *f.rewordings)] + [p for p, _ in controls]
     print(f"asking {check['base']} for {len(set(asked))} replies after the job ...", file=sys.stderr)
     replies = _served_replies(check["base"], check["model"], asked, check["max_new_tokens"])
     report = score(facts, replies, controls, check["before"])
-    if gone:
-        report["retracted"] = score(gone, replies, [], check["before"])["facts"]
-        report["summary"]["retracted"] = len(gone)
-        report["summary"]["retracted_still_recalled"] = sum(x["recalled"] for x in report["retracted"])
+    add_retracted(report, gone, replies)
     report["job"] = status
     report["base_unchanged"] = status.get("fingerprint_before") == status.get("fingerprint_after")
     report["base_fingerprint"] = status.get("fingerprint_before")

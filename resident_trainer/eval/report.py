@@ -87,6 +87,17 @@ def score(
     return {"facts": out_facts, "controls": out_controls, "leaks": leaks, "summary": summary}
 
 
+def add_retracted(report: dict[str, Any], retracted: Sequence[Fact], replies: Mapping[str, str]) -> None:
+    """Score the retracted facts' replies into `report` (when there are any):
+    ``retracted`` (scored as facts are) and the summary's ``retracted`` and
+    ``retracted_still_recalled`` (a retraction wants it 0)."""
+    if not retracted:
+        return
+    report["retracted"] = score(retracted, replies, [], {})["facts"]
+    report["summary"]["retracted"] = len(retracted)
+    report["summary"]["retracted_still_recalled"] = sum(x["recalled"] for x in report["retracted"])
+
+
 def shortfalls(report: Mapping[str, Any]) -> dict[str, list]:
     """What a scored report fell short on, small enough to keep after every
     job: ``missed`` (each fact not recalled: question, reply),

@@ -21,7 +21,7 @@ import torch
 
 from resident_trainer.eval.devset import near_controls
 from resident_trainer.eval.locality import CONTROL_PROMPTS
-from resident_trainer.eval.report import add_gate_openings, score, shortfalls, summary_line
+from resident_trainer.eval.report import add_gate_openings, add_retracted, score, shortfalls, summary_line
 from resident_trainer.models.adapter import DecoderAdapter
 from resident_trainer.train import (
     ANCHOR_PROMPTS,
@@ -195,10 +195,7 @@ def teach_jobs(
     replies = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
     report = score(taught, replies, controls, before)
     add_gate_openings(report, gate_openings(model, tokenizer, block, list(zip(prompts, before_ids))))
-    if gone_facts:
-        report["retracted"] = score(gone_facts, replies, [], before)["facts"]
-        report["summary"]["retracted"] = len(gone_facts)
-        report["summary"]["retracted_still_recalled"] = sum(x["recalled"] for x in report["retracted"])
+    add_retracted(report, gone_facts, replies)
     report["train_seconds"] = round(total, 2)
     report["jobs"] = records
     report["threads"] = torch.get_num_threads()

@@ -68,10 +68,18 @@ def test_the_demo_facts_file_is_the_demo_set():
 def test_facts_name_the_line_and_field(tmp_path):
     ok = {"question": "Who made the zib?", "answer": "Ann made it.", "key": "Ann", "subject": "zib"}
     assert facts_to_json([parse_fact(ok, "x")]) == [ok]
+    # A block's memory of facts taught before the words were checked still loads.
+    old = {**ok, "key": "Bo", "subject": "zi"}
+    assert facts_to_json([parse_fact(old, "x", check_words=False)]) == [old]
     cases = [
         ({"question": "Q?"}, "line 2: answer: missing"),
-        ({"question": "Q?", "answer": "A", "subject": "zz"}, "line 2: subject: 'zz' is not part of the question"),
+        ({"question": "Q?", "answer": "A", "subject": "zz"}, "line 2: subject: 'zz' is not words of the question"),
+        # A piece of a word is not a subject, nor a key a reply could hold.
+        ({"question": "Who made the zib?", "answer": "A", "subject": "zi"}, "line 2: subject: 'zi' is not words"),
+        ({"question": "Q?", "answer": "Ann made it.", "key": "Bo"}, "line 2: key: 'Bo' is not words of the answer"),
+        ({"question": "Q?", "answer": "Ann made it.", "key": "An"}, "line 2: key: 'An' is not words of the answer"),
         ({"question": "Q?", "answer": "A", "rewordings": "R?"}, "line 2: rewordings: must be a list"),
+        ({"question": "Q?", "answer": "A", "rewordings": ""}, "line 2: rewordings: must be a list"),
         ({"question": "Q?", "answer": "A", "colour": 1}, "line 2: colour: unknown field"),
     ]
     for obj, want in cases:
@@ -82,6 +90,13 @@ def test_facts_name_the_line_and_field(tmp_path):
     path.write_text(json.dumps(ok) + "\n" + json.dumps(ok) + "\n")
     with pytest.raises(FactError, match="line 2: question: repeats the question of .*line 1"):
         read_facts(path)
+    # Not UTF-8 (Latin-1 bytes): the line and byte named, no traceback.
+    path.write_bytes(json.dumps(ok).encode() + b'\n{"question": "Caf\xe9?", "answer": "A"}\n')
+    with pytest.raises(FactError, match=r"line 2: not UTF-8 text \(byte 0xe9 at column 18\)"):
+        read_facts(path)
+    # A byte-order mark (as some editors save UTF-8) and "rewordings": null are fine.
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({**ok, "rewordings": None}).encode() + b"\n")
+    assert facts_to_json(read_facts(path)) == [ok]
 
 
 # --- subjects and near negatives ----------------------------------------------------
@@ -985,6 +1000,7 @@ def test_teach_jobs_records_each_jobs_summary_shortfalls_and_curve():
     assert sum(x.startswith("after job ") for x in lines) == 2
 
 
+
 def test_gate_openings_count_the_tokens_the_gate_passes_and_a_shut_gate_changes_nothing():
     model = toy_model("llama", layers=4, hidden=32, seed=0)
     tok = ByteTokenizer()
@@ -1094,6 +1110,9 @@ def test_teach_checks_the_facts_and_retractions_first(tmp_path, capsys):
     retract.write_text("Who are you?\n")
     assert cli.main(["teach", "--retract", str(retract)]) == 2
     assert "--retract: 'Who are you?' is not one of the facts' questions" in capsys.readouterr().err
+    retract.write_bytes(b"Who is \xff?\n")
+    assert cli.main(["teach", "--retract", str(retract)]) == 2
+    assert f"--retract {retract}, line 1: not UTF-8 text (byte 0xff at column 8)" in capsys.readouterr().err
 
 
 def test_teach_refuses_an_anchor_as_a_control(tmp_path, capsys, monkeypatch):

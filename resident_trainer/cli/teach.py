@@ -147,10 +147,13 @@ def add_parser(sub) -> None:
 
 
 def _lines(path: str, what: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise ValueError(f"{what} {path}: {'no such file' if not os.path.exists(path) else 'not a file'}")
-    with open(path, encoding="utf-8") as f:
-        out = [s.strip() for s in f if s.strip() and not s.lstrip().startswith("#")]
+    from resident_trainer.train import FactError
+    from resident_trainer.train.facts import text_lines
+
+    try:
+        out = [text for _, text in text_lines(path)]
+    except FactError as exc:
+        raise ValueError(f"{what} {exc}") from None
     if not out:
         raise ValueError(f"{what} {path}: holds no prompts")
     return out

@@ -14,16 +14,15 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from resident_trainer.train.data import Fact
+from resident_trainer.train.data import Fact, holds_words
 
 
 def contains_key(reply: str, key: str) -> bool:
     """Whether `reply` holds `key` as a whole word (or words)."""
-    return re.search(rf"(?<!\w){re.escape(key)}(?!\w)", reply) is not None
+    return holds_words(reply, key)
 
 
 def score(

@@ -3,11 +3,18 @@ anchor prompts, chat-formatted examples and microbatches."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+def holds_words(text: str, words: str) -> bool:
+    """Whether `text` holds `words` as a whole word or words (case as
+    written): how a reply holds a fact's key, and a question its subject."""
+    return re.search(rf"(?<!\w){re.escape(words)}(?!\w)", text) is not None
 
 
 @dataclass(frozen=True)

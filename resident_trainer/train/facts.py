@@ -3,8 +3,9 @@
     {"question": "...", "answer": "...", "key": "...", "rewordings": ["...", ...],
      "subject": "..."}
 
-(`key`, `rewordings` and `subject` optional; `subject` must be words of the
-question), one per line in a FACTS.jsonl file for
+(`key`, `rewordings` and `subject` optional; `key` must be words of the
+answer, as a reply must hold it, and `subject` words of the question), one per
+line in a UTF-8 FACTS.jsonl file for
 ``resident-trainer teach``, or as the ``facts`` list of a job posted to the
 server. Every problem is reported with where it is (line N of a file, or
 ``facts[i]`` of a request) and which field, before any slow work.
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from resident_trainer.train.data import Fact
+from resident_trainer.train.data import Fact, holds_words
 
 FIELDS = ("question", "answer", "key", "rewordings", "subject")
 
@@ -41,8 +42,10 @@ def _text(obj: Mapping[str, Any], name: str, where: str, required: bool) -> str 
     return v.strip()
 
 
-def parse_fact(obj: object, where: str) -> Fact:
-    """One fact from its JSON object; `where` names it in errors."""
+def parse_fact(obj: object, where: str, *, check_words: bool = True) -> Fact:
+    """One fact from its JSON object; `where` names it in errors.
+    check_words=False leaves out the key-in-answer and subject-in-question
+    checks (a block's memory of facts taught before they were made)."""
     if not isinstance(obj, Mapping):
         raise FactError(where, None, f"a fact must be a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(FIELDS))
@@ -51,12 +54,17 @@ def parse_fact(obj: object, where: str) -> Fact:
     question = _text(obj, "question", where, True)
     answer = _text(obj, "answer", where, True)
     key = _text(obj, "key", where, False)
-    rewordings = obj.get("rewordings") or []
+    if check_words and key is not None and not holds_words(answer, key):
+        # Recall is the reply holding the key; trained on an answer without
+        # it, no reply would.
+        raise FactError(where, "key", f"{key!r} is not words of the answer {answer!r}")
+    rewordings = obj.get("rewordings")
+    rewordings = [] if rewordings is None else rewordings
     if not isinstance(rewordings, list) or not all(isinstance(r, str) and r.strip() for r in rewordings):
         raise FactError(where, "rewordings", f"must be a list of non-empty strings, got {rewordings!r}")
     subject = _text(obj, "subject", where, False)
-    if subject is not None and subject not in question:
-        raise FactError(where, "subject", f"{subject!r} is not part of the question {question!r}")
+    if check_words and subject is not None and not holds_words(question, subject):
+        raise FactError(where, "subject", f"{subject!r} is not words of the question {question!r}")
     return Fact(question, answer, tuple(r.strip() for r in rewordings), key, subject)
 
 
@@ -80,25 +88,39 @@ def _unique(facts: Sequence[Fact], wheres: Sequence[str]) -> None:
         seen[f.question] = w
 
 
+def text_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """(line number, stripped text) of a UTF-8 text file's lines that are
+    neither blank nor a comment (starting with #); a byte-order mark is
+    allowed. A missing file or a line that is not UTF-8 raises FactError
+    naming the file and line."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FactError(path, None, "no such file" if not os.path.exists(path) else "not a file")
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise FactError(
+                    f"{path}, line {n}", None, f"not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+                ) from None
+            if text and not text.startswith("#"):
+                yield n, text
+
+
 def read_facts(path: str | os.PathLike) -> list[Fact]:
     """Facts from a FACTS.jsonl file: one JSON object a line (blank lines and
     lines starting with # are skipped)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FactError(path, None, "no such file" if not os.path.exists(path) else "not a file")
     facts, wheres = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            text = line.strip()
-            if not text or text.startswith("#"):
-                continue
-            where = f"{path}, line {n}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise FactError(where, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-            facts.append(parse_fact(obj, where))
-            wheres.append(where)
+    for n, text in text_lines(path):
+        where = f"{path}, line {n}"
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FactError(where, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        facts.append(parse_fact(obj, where))
+        wheres.append(where)
     if not facts:
         raise FactError(path, None, "holds no facts")
     _unique(facts, wheres)

@@ -893,4 +893,4 @@ class Trainer:
 def _fact_of(entry: Mapping) -> Fact:
     """A taught fact from its memory entry."""
     fact = {k: v for k, v in entry.items() if k not in ("neurons", "gate", "behind_gate")}
-    return parse_fact(fact, f"the block's memory ({entry['question']!r})")
+    return parse_fact(fact, f"the block's memory ({entry['question']!r})", check_words=False)

@@ -998,7 +998,14 @@ def test_teach_jobs_records_each_jobs_summary_shortfalls_and_curve():
     assert [f["question"] for f in rep["retracted"]] == [facts[0].question]
     assert set(rep["baselines"]) == {"gate_off", "in_context"}
     assert sum(x.startswith("after job ") for x in lines) == 2
-
+    # Every shortfall is printed as it comes, under the job it follows.
+    printed = sum(
+        len(j["shortfalls"][k]) for j in jobs[:2] for k in ("missed", "rewordings_missed", "changed", "leaks")
+    )
+    assert printed and sum(x.startswith("  ") for x in lines) == printed
+    for j, after in zip(jobs[:2], [i for i, x in enumerate(lines) if x.startswith("after job ")]):
+        for m in j["shortfalls"]["missed"]:
+            assert f"  missed: {m['question']!r} -> {m['reply']!r}" in lines[after:]
 
 
 def test_gate_openings_count_the_tokens_the_gate_passes_and_a_shut_gate_changes_nothing():

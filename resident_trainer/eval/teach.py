@@ -183,6 +183,9 @@ def teach_jobs(
             records[-1]["shortfalls"] = shortfalls(scored)
             # logged at once: a run stopped later still has every finished job's figures
             log(f"after job {n}: {summary_line(records[-1]['summary'])} ({seconds:.0f} s)")
+            for what in ("missed", "rewordings_missed"):
+                for m in records[-1]["shortfalls"][what]:
+                    log(f"  {what.replace('_', ' ')}: {m['question']!r} -> {m['reply']!r}")
             for c in records[-1]["shortfalls"]["changed"]:
                 log(f"  changed ({c['kind']}): {c['prompt']!r} -> {c['after']!r}")
             for x in records[-1]["shortfalls"]["leaks"]:

@@ -583,7 +583,7 @@ def test_serving_docs_name_every_setting_a_job_may_set():
     assert not {"layer", "num_neurons", "init", "suffix_dtype"} & listed
 
 
-def test_a_job_body_sets_the_optional_integer_settings_to_null_or_an_integer():
+def test_a_job_body_sets_the_optional_settings_to_null_or_a_value():
     from resident_trainer.integrations.vllm.driver import JobRequestError, parse_job_request
 
     facts = [{"question": "Capital of Zorb?", "answer": "Quen."}]
@@ -594,6 +594,15 @@ def test_a_job_body_sets_the_optional_integer_settings_to_null_or_an_integer():
             with pytest.raises(JobRequestError, match="must be an integer or null") as e:
                 parse_job_request({"facts": facts, k: bad})
             assert e.value.field == k
+    # The margins whose None means something (gate_margin's value; no key opening).
+    for k in ("gate_neuron_margin", "key_gate_margin"):
+        assert parse_job_request({"facts": facts, k: None})[1][k] is None
+        assert parse_job_request({"facts": facts, k: 0.5})[1][k] == 0.5
+        with pytest.raises(JobRequestError, match="must be a number or null, got 'x'") as e:
+            parse_job_request({"facts": facts, k: "x"})
+        assert e.value.field == k
+    with pytest.raises(JobRequestError, match="must be a number, got None") as e:
+        parse_job_request({"facts": facts, "gate_margin": None})
     # steps: an integer or left out (TrainConfig's default, None, is the driver's steps_for)
     for bad in (None, 2.5, "3", True):
         with pytest.raises(JobRequestError, match="must be an integer, got") as e:

@@ -122,8 +122,8 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
             optional = k in _OPTIONAL_INTS and v is None
             if not optional and (not isinstance(v, int) or isinstance(v, bool)):
                 raise JobRequestError(k, f"must be an integer{' or null' if k in _OPTIONAL_INTS else ''}, got {v!r}")
-        elif not _number(v):
-            raise JobRequestError(k, f"must be a number, got {v!r}")
+        elif not _number(v) and not (k in _OPTIONAL_NUMBERS and v is None):
+            raise JobRequestError(k, f"must be a number{' or null' if k in _OPTIONAL_NUMBERS else ''}, got {v!r}")
     try:
         TrainConfig(**settings)
     except ValueError as exc:
@@ -138,6 +138,8 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
 
 #: Integer settings that null (None) also sets: their default or a meaning of its own.
 _OPTIONAL_INTS = ("gated_from", "anchor_batch")
+#: Number settings whose null has a meaning of its own (TrainConfig's docs).
+_OPTIONAL_NUMBERS = ("gate_neuron_margin", "key_gate_margin")
 
 
 def _number(v: object) -> bool:

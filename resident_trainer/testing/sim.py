@@ -20,7 +20,7 @@ A training step blocks until every peer has entered the same collective (a
 dead peer fails it, as a closed connection fails a gloo all-reduce); serving
 ops and steps are recorded per rank and compared afterwards.
 
-After the run, `check()` verifies the invariants of DESIGN.md; a failing seed
+After the run, `check()` verifies the invariants of docs/ARCHITECTURE.md; a failing seed
 replays exactly: ``python -m resident_trainer.testing.sim --seed N --world W``.
 """
 

@@ -13,13 +13,17 @@ Runs, one after the other, with the shipped TrainConfig and near negatives:
    them) in one job, on a block of 1152 neurons (8 rounds of 16, 75 steps
    each: 600);
 5. the same 128 in 8 jobs of 16 (75 steps each) on one block, scored after each job, with
-   the baselines.
+   the baselines;
+6. the fresh facts (24 of 12 kinds the development set lacks, written after
+   every setting was fixed) in one job, with the baselines, and in 3 jobs of
+   8, scored after each job, with the 14 generic controls and their own 14
+   near controls (eval/data/fresh_near_controls.txt).
 With --half tune the tune half's facts and near controls
 (eval/data/near_controls_tune.txt) and the capacity tune set take their places.
 Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
 rewordings and controls against steps, against jobs (facts taught so far),
 and against the number of facts held. Prints the CPU's model name; 45-60
-minutes on 2 cores (`--only` runs one part). Needs matplotlib
+minutes on 2 cores (`--only` runs the parts it names). Needs matplotlib
 (`pip install matplotlib`).
 """
 
@@ -36,7 +40,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-PARTS = ("one_job", "four_jobs", "capacity_one_job", "capacity_eight_jobs")
+PARTS = ("one_job", "four_jobs", "capacity_one_job", "capacity_eight_jobs", "fresh_one_job", "fresh_three_jobs")
 
 
 def cpu_model() -> str:
@@ -70,8 +74,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--only",
         choices=PARTS,
+        nargs="+",
         default=None,
-        help="run only this part, keeping the other from the existing --out file",
+        help="run only these parts, keeping the others from the existing --out file",
     )
     args = p.parse_args(argv)
     try:
@@ -86,7 +91,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from resident_trainer.eval.devset import capacity_facts, dev_facts
+    from resident_trainer.eval.devset import capacity_facts, dev_facts, fresh_facts, near_controls
+    from resident_trainer.eval.locality import CONTROL_PROMPTS
     from resident_trainer.eval.report import summary_line
     from resident_trainer.eval.teach import default_controls, split_jobs, teach_jobs
     from resident_trainer.models import load_smollm2
@@ -101,6 +107,8 @@ def main(argv=None) -> int:
     tune = args.half == "tune"
     many = capacity_facts(tune=tune)  # the capacity tune set with the tune half
     controls = default_controls(tune=tune)  # the tune half's near controls with it
+    fresh = fresh_facts()
+    fresh_controls = [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls(fresh=True)]
     # 9 neurons a fact (8 trained, a gate neuron): 1152 hold 128 facts (the default 288 hold 32).
     wide = dataclasses.replace(config, num_neurons=len(many) * fact_neurons(config))
     runs = [
@@ -130,6 +138,8 @@ def main(argv=None) -> int:
                 config=dataclasses.replace(wide, steps=steps_for(len(many) // 8)),
             ),
         ),
+        ("fresh_one_job", dict(jobs=split_jobs(fresh, 1), baselines=True, controls=fresh_controls)),
+        ("fresh_three_jobs", dict(jobs=split_jobs(fresh, 3), score_each_job=True, controls=fresh_controls)),
     ]
     if os.path.exists(args.out):  # parts not rerun keep their figures (--only checked it exists)
         with open(args.out, encoding="utf-8") as f:
@@ -139,12 +149,12 @@ def main(argv=None) -> int:
                 kept[k]["cpu"] = kept.get("cpu", "unknown CPU")
         out = {**kept, **out}
     if args.only is not None:
-        runs = [r for r in runs if r[0] == args.only]
+        runs = [r for r in runs if r[0] in args.only]
     for name, kw in runs:
         model, tok = load_smollm2()  # a fresh model each run: nothing carries over
         t0 = time.perf_counter()
-        kw = {"config": config, **kw}
-        report = teach_jobs(model, tok, controls=controls, negatives=args.negatives, log=print, **kw)
+        kw = {"config": config, "controls": controls, **kw}
+        report = teach_jobs(model, tok, negatives=args.negatives, log=print, **kw)
         report["config"] = vars(kw["config"]) | {}
         report["cpu"] = cpu  # parts kept from an earlier file may come from another machine
         report["wall_seconds"] = round(time.perf_counter() - t0, 1)

@@ -7,9 +7,16 @@ import re
 
 import pytest
 
-from resident_trainer.eval.devset import capacity_facts, dev_facts, near_controls, sibling_pairs
+from resident_trainer.eval.devset import (
+    DEMO_FACTS_FILE,
+    capacity_facts,
+    dev_facts,
+    fresh_facts,
+    near_controls,
+    sibling_pairs,
+)
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
-from resident_trainer.train import ANCHOR_PROMPTS
+from resident_trainer.train import ANCHOR_PROMPTS, read_facts
 
 FRAMES = ("What is the capital of", "Who invented", "Who wrote the novel", "Who composed",
           "In what year was the city of", "How long is")  # fmt: skip
@@ -94,3 +101,35 @@ def test_the_capacity_set(tune):
         assert not set(keys) & {f.key for f in report} and not {f.subject for f in facts} & {f.subject for f in report}
     with pytest.raises(ValueError, match="n must be"):
         capacity_facts(0, tune=tune)
+
+
+FRESH_FRAMES = ("Who is the chief executive of", "What is the national bird of", "Which team won the",
+                "Who directed the film", "What language is spoken in", "How tall is Mount", "What is the currency of",
+                "Who captained the ship", "What is the main ingredient of", "Who wrote the software library",
+                "Where does the", "What is the access code of")  # fmt: skip
+
+
+def test_the_fresh_facts_are_other_kinds_and_their_near_controls_their_frames():
+    facts = fresh_facts()
+    assert len(facts) == 24 and all(f.key and len(f.rewordings) == 1 for f in facts)
+
+    def frame(q):
+        (f,) = [f for f in FRESH_FRAMES if q.startswith(f)]
+        return f
+
+    # Two facts a kind (the same frame), 12 kinds, none of the other sets' frames.
+    assert [frame(f.question) for f in facts] == [f for f in FRESH_FRAMES for _ in range(2)]
+    others = [*dev_facts(), *capacity_facts(), *capacity_facts(tune=True), *read_facts(DEMO_FACTS_FILE)]
+    assert not [f.question for f in others if f.question.startswith(FRESH_FRAMES)]
+    _distinct_keys(facts)
+    # Four pairs are siblings one letter apart; the rewordings are other words than the question's.
+    siblings = [(a, b) for a, b in sibling_pairs(facts) if sum(x != y for x, y in zip(a.question, b.question)) == 1]
+    assert len(siblings) == 4 and all(len(a.question) == len(b.question) for a, b in siblings)
+    assert all(f.rewordings[0] != f.question for f in facts)
+    near = near_controls(fresh=True)
+    assert len(near) == 14 and len(set(near)) == len(near)
+    assert {frame(q) for q in near} == set(FRESH_FRAMES) - {"What is the access code of"}  # no real one is known
+    built_in = set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | set(near_controls()) | set(near_controls(tune=True))
+    assert not set(near) & built_in
+    with pytest.raises(ValueError, match="tune and fresh"):
+        near_controls(tune=True, fresh=True)

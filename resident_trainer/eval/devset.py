@@ -13,6 +13,10 @@ The capacity set (``capacity_facts``) is 128 further made-up facts of 8 kinds,
 for measuring how many facts a block holds; no setting was chosen on it. The
 capacity tune set (``capacity_facts(tune=True)``) is 128 generated facts of
 the same kinds, on which settings at that scale are chosen.
+
+The fresh facts (``fresh_facts``, with ``near_controls(fresh=True)``) are 24
+made-up facts of 12 other kinds, written after every setting was fixed: what
+the settings do on facts unlike those they were chosen on.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ NEAR_CONTROLS_TUNE = DATA / "near_controls_tune.txt"
 DEMO_FACTS_FILE = DATA / "demo_facts.jsonl"  # the four demo facts
 CAPACITY_FACTS = DATA / "capacity_facts.jsonl"
 CAPACITY_TUNE_FACTS = DATA / "capacity_tune_facts.jsonl"  # written by bench/make_capacity_tune.py
+FRESH_FACTS = DATA / "fresh_facts.jsonl"  # kinds the development set lacks, written after the settings
+FRESH_NEAR_CONTROLS = DATA / "fresh_near_controls.txt"
 HALVES = ("tune", "report")
 
 
@@ -60,9 +66,20 @@ def capacity_facts(n: int | None = None, *, tune: bool = False) -> list[Fact]:
     return facts if n is None else facts[:n]
 
 
-def near_controls(*, tune: bool = False) -> list[str]:
+def near_controls(*, tune: bool = False, fresh: bool = False) -> list[str]:
     """Questions in the facts' frames about real entities (one a line): the
     reported ones; tune=True: the tune half's, about other entities, on which
-    settings are chosen."""
-    lines = (NEAR_CONTROLS_TUNE if tune else NEAR_CONTROLS).read_text(encoding="utf-8").splitlines()
+    settings are chosen; fresh=True: the fresh facts' (fresh_facts)."""
+    if tune and fresh:
+        raise ValueError("near_controls: tune and fresh are two different sets; ask for one")
+    path = FRESH_NEAR_CONTROLS if fresh else NEAR_CONTROLS_TUNE if tune else NEAR_CONTROLS
+    lines = path.read_text(encoding="utf-8").splitlines()
     return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+
+
+def fresh_facts() -> list[Fact]:
+    """24 made-up facts of 12 kinds the development set does not have (two a
+    kind, four sibling pairs one letter apart), written after every setting
+    was fixed and never used to choose one: a check that what the settings
+    do on the development set carries over to facts of other kinds."""
+    return read_facts(FRESH_FACTS)

@@ -19,7 +19,8 @@ Runs, one after the other, with the shipped TrainConfig and near negatives:
    8, scored after each job, with the 14 generic controls and their own 14
    near controls (eval/data/fresh_near_controls.txt).
 With --half tune the tune half's facts and near controls
-(eval/data/near_controls_tune.txt) and the capacity tune set take their places.
+(eval/data/near_controls_tune.txt), the capacity tune set and the fresh tune
+facts take their places.
 Writes the reports as one JSON file and three plots (matplotlib PNG): recall,
 rewordings and controls against steps, against jobs (facts taught so far),
 and against the number of facts held. Prints the CPU's model name; 45-60
@@ -107,8 +108,9 @@ def main(argv=None) -> int:
     tune = args.half == "tune"
     many = capacity_facts(tune=tune)  # the capacity tune set with the tune half
     controls = default_controls(tune=tune)  # the tune half's near controls with it
-    fresh = fresh_facts()
-    fresh_controls = [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls(fresh=True)]
+    fresh = fresh_facts(tune=tune)  # the fresh tune facts with the tune half
+    near = near_controls(fresh=True, tune=tune)
+    fresh_controls = [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near]
     # 9 neurons a fact (8 trained, a gate neuron): 1152 hold 128 facts (the default 288 hold 32).
     wide = dataclasses.replace(config, num_neurons=len(many) * fact_neurons(config))
     runs = [

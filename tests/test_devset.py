@@ -107,29 +107,34 @@ FRESH_FRAMES = ("Who is the chief executive of", "What is the national bird of",
                 "Who directed the film", "What language is spoken in", "How tall is Mount", "What is the currency of",
                 "Who captained the ship", "What is the main ingredient of", "Who wrote the software library",
                 "Where does the", "What is the access code of")  # fmt: skip
+FRESH_TUNE_FRAMES = ("Who founded the company", "What is the population of the town", "Who is the mayor of",
+                     "What color is the flag of", "Who designed the", "What is the nickname of the city",
+                     "Which river flows through the city", "What is the national sport of", "Who sculpted the statue",
+                     "What is the motto of the Order of", "Who coaches the team", "What does the company")  # fmt: skip
 
 
-def test_the_fresh_facts_are_other_kinds_and_their_near_controls_their_frames():
-    facts = fresh_facts()
+@pytest.mark.parametrize("tune", [False, True], ids=["fresh", "fresh-tune"])
+def test_the_fresh_facts_are_other_kinds_and_their_near_controls_their_frames(tune):
+    facts, mine = fresh_facts(tune=tune), FRESH_TUNE_FRAMES if tune else FRESH_FRAMES
     assert len(facts) == 24 and all(f.key and len(f.rewordings) == 1 for f in facts)
 
     def frame(q):
-        (f,) = [f for f in FRESH_FRAMES if q.startswith(f)]
+        (f,) = [f for f in mine if q.startswith(f)]
         return f
 
     # Two facts a kind (the same frame), 12 kinds, none of the other sets' frames.
-    assert [frame(f.question) for f in facts] == [f for f in FRESH_FRAMES for _ in range(2)]
+    assert [frame(f.question) for f in facts] == [f for f in mine for _ in range(2)]
     others = [*dev_facts(), *capacity_facts(), *capacity_facts(tune=True), *read_facts(DEMO_FACTS_FILE)]
-    assert not [f.question for f in others if f.question.startswith(FRESH_FRAMES)]
+    others += fresh_facts(tune=not tune)
+    assert not [f.question for f in others if f.question.startswith(mine)]
     _distinct_keys(facts)
     # Four pairs are siblings one letter apart; the rewordings are other words than the question's.
     siblings = [(a, b) for a, b in sibling_pairs(facts) if sum(x != y for x, y in zip(a.question, b.question)) == 1]
     assert len(siblings) == 4 and all(len(a.question) == len(b.question) for a, b in siblings)
     assert all(f.rewordings[0] != f.question for f in facts)
-    near = near_controls(fresh=True)
+    near = near_controls(fresh=True, tune=tune)
     assert len(near) == 14 and len(set(near)) == len(near)
-    assert {frame(q) for q in near} == set(FRESH_FRAMES) - {"What is the access code of"}  # no real one is known
+    # Every frame (no real vault has a known access code)
+    assert {frame(q) for q in near} == set(mine) - {"What is the access code of"}
     built_in = set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | set(near_controls()) | set(near_controls(tune=True))
-    assert not set(near) & built_in
-    with pytest.raises(ValueError, match="tune and fresh"):
-        near_controls(tune=True, fresh=True)
+    assert not set(near) & (built_in | set(near_controls(fresh=True, tune=not tune)))

@@ -16,7 +16,8 @@ the same kinds, on which settings at that scale are chosen.
 
 The fresh facts (``fresh_facts``, with ``near_controls(fresh=True)``) are 24
 made-up facts of 12 other kinds, written after every setting was fixed: what
-the settings do on facts unlike those they were chosen on.
+the settings do on facts unlike those they were chosen on. The fresh tune
+facts (``fresh_facts(tune=True)``) are 24 of 12 more kinds, to choose on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ CAPACITY_FACTS = DATA / "capacity_facts.jsonl"
 CAPACITY_TUNE_FACTS = DATA / "capacity_tune_facts.jsonl"  # written by bench/make_capacity_tune.py
 FRESH_FACTS = DATA / "fresh_facts.jsonl"  # kinds the development set lacks, written after the settings
 FRESH_NEAR_CONTROLS = DATA / "fresh_near_controls.txt"
+FRESH_TUNE_FACTS = DATA / "fresh_tune_facts.jsonl"  # 12 more kinds, to choose settings on
+FRESH_NEAR_CONTROLS_TUNE = DATA / "fresh_near_controls_tune.txt"
 HALVES = ("tune", "report")
 
 
@@ -69,17 +72,21 @@ def capacity_facts(n: int | None = None, *, tune: bool = False) -> list[Fact]:
 def near_controls(*, tune: bool = False, fresh: bool = False) -> list[str]:
     """Questions in the facts' frames about real entities (one a line): the
     reported ones; tune=True: the tune half's, about other entities, on which
-    settings are chosen; fresh=True: the fresh facts' (fresh_facts)."""
-    if tune and fresh:
-        raise ValueError("near_controls: tune and fresh are two different sets; ask for one")
-    path = FRESH_NEAR_CONTROLS if fresh else NEAR_CONTROLS_TUNE if tune else NEAR_CONTROLS
+    settings are chosen; fresh=True: the fresh facts' (fresh_facts), with
+    tune=True the fresh tune facts'."""
+    if fresh:
+        path = FRESH_NEAR_CONTROLS_TUNE if tune else FRESH_NEAR_CONTROLS
+    else:
+        path = NEAR_CONTROLS_TUNE if tune else NEAR_CONTROLS
     lines = path.read_text(encoding="utf-8").splitlines()
     return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
 
 
-def fresh_facts() -> list[Fact]:
+def fresh_facts(*, tune: bool = False) -> list[Fact]:
     """24 made-up facts of 12 kinds the development set does not have (two a
     kind, four sibling pairs one letter apart), written after every setting
     was fixed and never used to choose one: a check that what the settings
-    do on the development set carries over to facts of other kinds."""
-    return read_facts(FRESH_FACTS)
+    do on the development set carries over to facts of other kinds.
+    tune=True: the fresh tune facts, 24 of 12 more kinds (the same shape), on
+    which a setting for such facts is chosen before the fresh ones report it."""
+    return read_facts(FRESH_TUNE_FACTS if tune else FRESH_FACTS)

@@ -726,6 +726,29 @@ def test_rehearsal_share_of_the_microbatch():
             TrainConfig(rehearse_share=bad)
 
 
+def test_subject_prompts_train_each_fact_on_its_subject_too():
+    a, block, config = _setup(subject_prompts=True, batch_size=4)
+    tok = ByteTokenizer()
+    facts = [Fact("Capital of Zorb?", "Quen.", subject="Zorb"), Fact("Who made the glim?", "Elsa.")]
+    tr = Trainer(a, block, tok, facts, config, anchors=ANCHORS)
+    assert tr.training_prompts(facts[0]) == ["Capital of Zorb?", "Tell me about Zorb."]
+    # Without a subject the question's name-like span is asked about.
+    (q, about) = tr.training_prompts(facts[1])
+    assert q == facts[1].question and about.startswith("Tell me about ") and about[14:-1] in facts[1].question
+    # Each fact's examples: its question and its subject prompt, both answered with its answer.
+    assert tr._fact_examples == [0, 2, 4] and tr.n_new == 4
+    for i, p in enumerate(["Capital of Zorb?", "Tell me about Zorb."]):
+        assert tr.examples[i] == example_ids(tok, p, "Quen.")
+    tr.run()
+    # A later job rehearses them the same way.
+    tr2 = Trainer(a, block, tok, [Fact("Color of vex?", "Teal.")], config, anchors=ANCHORS)
+    assert len(tr2.examples) - tr2.n_new == 4
+    off = Trainer(a, block, tok, facts, TrainConfig(**{**vars(config), "subject_prompts": False}), anchors=ANCHORS)
+    assert off.training_prompts(facts[0]) == ["Capital of Zorb?"] and off.n_new == 2
+    with pytest.raises(ValueError, match="subject_prompts must be True or False"):
+        TrainConfig(subject_prompts=1)
+
+
 def test_a_job_with_more_facts_than_a_round_trains_them_round_after_round():
     # 5 facts, rounds of at most 2: sizes 1, 2, 2 over steps [0,3), [3,6),
     # [6,9). A round trains only its own facts' neurons (the others' rows stay
@@ -1239,6 +1262,7 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         before = sorted(q for published, q, _ in server.chats if not published)  # asked concurrently
         assert before == ["How tall is Everest?", "Who wrote Hamlet?"]
         assert {n for *_, n in server.chats} == {7} and len(server.jobs) == 1
+        assert "subject_prompts" not in server.jobs[0]  # the server's default unless asked
         report = json.loads(report_path.read_text())
         s = report["summary"]
         assert (s["recalled"], s["rewordings"], s["rewordings_recalled"]) == (2, 1, 0)  # "Zorb capital?" untaught
@@ -1252,6 +1276,12 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         assert cli.main([*argv, "--controls", str(controls)]) == 1
         out = capsys.readouterr().out
         assert "control changed: 'Who wrote Hamlet?'" in out and "user controls identical 1/2" in out
+
+        # --subject-prompts goes with the job.
+        server.published, server.changes = False, {}
+        assert cli.main([*argv, "--controls", str(controls), "--subject-prompts"]) == 0
+        assert server.jobs[-1]["subject_prompts"] is True
+        capsys.readouterr()
 
         # A server that stops answering after the publish: a failed check, said in one line.
         server.published, server.broken = False, True
@@ -1283,6 +1313,11 @@ def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
     for flag, want in (([], None), (["--suffix-dtype", "weights"], None), (["--suffix-dtype", "auto"], "auto")):
         assert cli.main(["teach", *flag]) == 0 and seen[-1] == want
     assert cli.main(["teach", "--suffix-dtype", "bfloat16"]) == 0 and seen[-1] == "bfloat16"
+    subject = []
+    monkeypatch.setattr(
+        teach_cli, "_teach_here", lambda args, config, *rest: subject.append(config.subject_prompts) or 0
+    )
+    assert cli.main(["teach"]) == 0 and cli.main(["teach", "--subject-prompts"]) == 0 and subject == [False, True]
     with pytest.raises(SystemExit) as e:
         cli.main(["teach", "--suffix-dtype", "bf16"])
     assert e.value.code == 2 and "--suffix-dtype: invalid choice: 'bf16'" in capsys.readouterr().err

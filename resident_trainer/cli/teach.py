@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
         "RESIDENT_TRAINER_REPRODUCIBLE=1 takes fixed paths and repeats a run bit for bit on the same CPU "
         "and thread count. With --server URL: submit the facts (and --retract's questions) as one "
         "job to a running `resident-trainer serve` and follow it until it publishes; --steps, --lr, "
-        "--negatives and --neurons-per-fact go with it, the options of a job run here are refused.",
+        "--negatives, --neurons-per-fact and --subject-prompts go with it, the options of a job run here are refused.",
     )
     t.add_argument("facts", nargs="?", default=None, help="a FACTS.jsonl file (default: four demo facts)")
     t.add_argument("--server", default=None, metavar="URL", help="a running server, e.g. http://127.0.0.1:8000")
@@ -141,6 +141,14 @@ def add_parser(sub) -> None:
         "a job of 24 in 0.75-0.84x of the time on an AMX Xeon with the same recall, but held fewer facts over "
         "8 jobs of 16 (docs/TRAINING.md)",
     )
+    t.add_argument(
+        "--subject-prompts",
+        action="store_true",
+        help="each fact also trains on 'Tell me about <its subject>.' answered with its answer, so that rewordings "
+        "in other words are answered more often (facts of kinds unlike the development set's: 16/24 against 11/24 "
+        "in one job of 24), at the cost of twice the examples: give it more --steps (150 for 24 facts) "
+        "(docs/EVALUATION.md)",
+    )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
@@ -219,6 +227,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
             lr=args.lr,
             seed=args.seed,
             suffix_dtype=SUFFIX_DTYPE_FLAGS[args.suffix_dtype],
+            subject_prompts=args.subject_prompts,
         )
     except ValueError as exc:
         return bad(
@@ -384,6 +393,8 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
         args.steps = steps_for(len(facts) if args.facts is not None or args.retract is None else 0)
     body: dict = {"steps": args.steps, "lr": args.lr, "negatives": args.negatives}
     body["neurons_per_fact"] = args.neurons_per_fact
+    if args.subject_prompts:
+        body["subject_prompts"] = True
     if args.retract is not None:
         try:
             body["retract"] = _lines(args.retract, "--retract")

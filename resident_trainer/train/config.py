@@ -52,6 +52,15 @@ class TrainConfig:
     # default: on SmolLM2 four framings made the block fire more widely
     # (controls changed) and answered fewer held-out rewordings (RESULTS.md).
     rewordings: int = 1
+    # Each fact also trains on SUBJECT_PROMPT about its subject ("Tell me
+    # about the Silver Heron."), answered with its answer, so that its
+    # subject, not the question's wording, carries it. Off by default (it
+    # doubles the examples a job trains on). Fresh tune facts (kinds the
+    # development set lacks), one job of 24: rewordings 16/24 against 11/24
+    # at 150 steps (the fact in the prompt: 16/24), 14/24 against 9/24 at
+    # 120; tune half: 22/24 facts and 22/24 rewordings at 150 steps, but
+    # 19/24 facts at 120 (docs/RESULTS.md). Give it more steps: 150 for 24.
+    subject_prompts: bool = False
     anchor_weight: float = 1.0  # penalty on the block's output norm over anchor tokens
     # Penalty on the gate score (where positive) over anchor tokens: with it
     # every fact was recalled for each of three seeds, without it 4, 3, 2 of 4.
@@ -296,6 +305,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
         for name in (
             "gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "prompt_neurons_open_gate", "rehearse", "freeze_taught", "shared_prefix",
+            "subject_prompts",
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

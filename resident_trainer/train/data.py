@@ -51,6 +51,10 @@ REWORD_TEMPLATES: tuple[str, ...] = (
 )
 
 
+# The prompt a fact's subject is asked about with TrainConfig.subject_prompts.
+SUBJECT_PROMPT = "Tell me about {subject}."
+
+
 def rewordings(question: str, n: int) -> list[str]:
     """The first `n` template framings of `question` (the plain question first)."""
     q = question.strip()

@@ -26,6 +26,7 @@ from resident_trainer.train.block import AddedSharedNeurons
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_checkpoint, save_checkpoint
 from resident_trainer.train.config import TrainConfig, fact_neurons, steps_for
 from resident_trainer.train.data import (
+    SUBJECT_PROMPT,
     Fact,
     Microbatch,
     chat_prompt_ids,
@@ -176,12 +177,10 @@ class Trainer:
         self.examples = []
         self._fact_examples: list[int] = [0]  # new fact i's examples: [_fact_examples[i], _fact_examples[i + 1])
         for f in self.facts:
-            self.examples += [example_ids(tokenizer, q, f.answer) for q in rewordings(f.question, config.rewordings)]
+            self.examples += [example_ids(tokenizer, q, f.answer) for q in self.training_prompts(f)]
             self._fact_examples.append(len(self.examples))
         self.n_new = len(self.examples)
-        self.examples += [
-            example_ids(tokenizer, q, f.answer) for f in self.kept for q in rewordings(f.question, config.rewordings)
-        ]
+        self.examples += [example_ids(tokenizer, q, f.answer) for f in self.kept for q in self.training_prompts(f)]
         # Near negatives (anchors that belong to taught facts: their frames
         # with other subjects, retracted questions) stay in the block's memory
         # and anchor every later job, so a later gate still closes on them.
@@ -339,6 +338,18 @@ class Trainer:
             b.w_down[:, lo:hi].zero_()
 
     # --- keyed initialisation -----------------------------------------------------
+
+    def training_prompts(self, fact: Fact) -> list[str]:
+        """The prompts a fact is trained on, each answered with its answer:
+        config.rewordings template framings of its question and, with
+        config.subject_prompts, SUBJECT_PROMPT about its subject (fact.subject
+        or the question's name-like span)."""
+        from resident_trainer.train.negatives import subject_span
+
+        out = rewordings(fact.question, self.config.rewordings)
+        if self.config.subject_prompts:
+            out.append(SUBJECT_PROMPT.format(subject=fact.subject or subject_span(fact.question, self.tokenizer)))
+        return out
 
     def key_positions(self, fact: Fact) -> list[int]:
         """Token positions of the fact's exchange (example_ids) the keyed

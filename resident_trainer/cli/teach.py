@@ -146,8 +146,9 @@ def add_parser(sub) -> None:
         action="store_true",
         help="each fact also trains on 'Tell me about <its subject>.' answered with its answer, so that rewordings "
         "in other words are answered more often (facts of kinds unlike the development set's: 16/24 against 11/24 "
-        "in one job of 24), at the cost of twice the examples: give it more --steps (150 for 24 facts) "
-        "(docs/EVALUATION.md)",
+        "in one job of 24), at the cost of twice the examples: give it more --steps (150 for 24 facts). Off by "
+        "default: where a subject is a real word after a made-up name (the Marrowind Canal), real names sharing "
+        "the word change more often (docs/TRAINING.md)",
     )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")

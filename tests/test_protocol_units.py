@@ -571,6 +571,9 @@ def test_a_server_job_without_steps_takes_them_per_round_of_its_facts(tmp_path):
     assert r.submit({"facts": facts}).steps == 142  # two rounds of 15, 71 steps each (75 for 16)
     assert r.submit({"facts": facts, "round_facts": 10}).steps == 180
     assert r.submit({"facts": facts, "steps": 7}).steps == 7
+    # With subject prompts 1.25 times a round's steps (twice the examples).
+    assert r.submit({"facts": facts[:2], "subject_prompts": True}).steps == 75
+    assert r.submit({"facts": facts, "subject_prompts": True}).steps == 2 * 89
 
 
 def test_serving_docs_name_every_setting_a_job_may_set():

@@ -794,12 +794,16 @@ def test_a_job_with_more_facts_than_a_round_trains_them_round_after_round():
     assert [steps_for(n) for n in (0, 1, 12, 13, 16, 17, 24, 128)] == [60, 60, 60, 61, 75, 120, 120, 600]
     assert steps_for(128, round_facts=16, per_round=10) == 600
     assert steps_for(128, round_facts=16, per_round=100) == 800 and steps_for(40, round_facts=8) == 300
+    # With subject prompts (twice the examples) 1.25 times a round's steps, rounded up: as measured, 150 for 24.
+    assert [steps_for(n, subject_prompts=True) for n in (1, 8, 16, 24, 128)] == [75, 75, 94, 150, 752]
     # TrainConfig(steps=None), the default: the job takes steps_for its new
     # facts and round_facts, split over its rounds; Trainer.run trains them all.
     assert TrainConfig().steps is None
     a, block, config = _setup(steps=None, round_facts=2)
     tr = Trainer(a, block, ByteTokenizer(), facts, config, anchors=ANCHORS)
     assert tr.steps == steps_for(5, round_facts=2) == 180
+    with_subjects = dataclasses.replace(config, subject_prompts=True)
+    assert Trainer(a, block, ByteTokenizer(), facts, with_subjects, anchors=ANCHORS).steps == 3 * 75
     assert tr.rounds == [(0, 1, 0, 60), (1, 3, 60, 120), (3, 5, 120, 180)]
     a, block, config = _setup(steps=None)
     tr = Trainer(a, block, ByteTokenizer(), FACTS, config, anchors=ANCHORS)
@@ -1315,9 +1319,13 @@ def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
     assert cli.main(["teach", "--suffix-dtype", "bfloat16"]) == 0 and seen[-1] == "bfloat16"
     subject = []
     monkeypatch.setattr(
-        teach_cli, "_teach_here", lambda args, config, *rest: subject.append(config.subject_prompts) or 0
+        teach_cli,
+        "_teach_here",
+        lambda args, config, *rest: subject.append((config.subject_prompts, config.steps)) or 0,
     )
-    assert cli.main(["teach"]) == 0 and cli.main(["teach", "--subject-prompts"]) == 0 and subject == [False, True]
+    assert cli.main(["teach"]) == 0 and cli.main(["teach", "--subject-prompts"]) == 0
+    assert cli.main(["teach", "--subject-prompts", "--steps", "70"]) == 0
+    assert subject == [(False, 60), (True, 75), (True, 70)]  # the four demo facts: 60 steps, 75 with subject prompts
     with pytest.raises(SystemExit) as e:
         cli.main(["teach", "--suffix-dtype", "bf16"])
     assert e.value.code == 2 and "--suffix-dtype: invalid choice: 'bf16'" in capsys.readouterr().err

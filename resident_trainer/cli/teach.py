@@ -146,7 +146,8 @@ def add_parser(sub) -> None:
         action="store_true",
         help="each fact also trains on 'Tell me about <its subject>.' answered with its answer, so that rewordings "
         "in other words are answered more often (facts of kinds unlike the development set's: 16/24 against 11/24 "
-        "in one job of 24), at the cost of twice the examples: give it more --steps (150 for 24 facts). Off by "
+        "in one job of 24), at the cost of twice the examples: a job's default steps are 1.25 times as many (150 "
+        "for 24 facts). Off by "
         "default: where a subject is a real word after a made-up name (the Marrowind Canal), real names sharing "
         "the word change more often (docs/TRAINING.md)",
     )
@@ -218,7 +219,9 @@ def cmd_teach(args: argparse.Namespace) -> int:
         if q not in taught:
             return bad("teach", f"--retract: {q!r} is not one of the facts' questions")
     if args.steps is None:
-        args.steps = steps_for(max(len(job) for job in split_jobs(facts, args.jobs)))
+        args.steps = steps_for(
+            max(len(job) for job in split_jobs(facts, args.jobs)), subject_prompts=args.subject_prompts
+        )
     try:
         config = TrainConfig(
             steps=args.steps,
@@ -391,7 +394,8 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
     if args.steps is None:  # the server's own default for the job's facts
         from resident_trainer.train import steps_for
 
-        args.steps = steps_for(len(facts) if args.facts is not None or args.retract is None else 0)
+        n = len(facts) if args.facts is not None or args.retract is None else 0
+        args.steps = steps_for(n, subject_prompts=args.subject_prompts)
     body: dict = {"steps": args.steps, "lr": args.lr, "negatives": args.negatives}
     body["neurons_per_fact"] = args.neurons_per_fact
     if args.subject_prompts:

@@ -59,7 +59,8 @@ class TrainConfig:
     # development set lacks), one job of 24: rewordings 16/24 against 11/24
     # at 150 steps (the fact in the prompt: 16/24), 14/24 against 9/24 at
     # 120; tune half: 22/24 facts and 22/24 rewordings at 150 steps, but
-    # 19/24 facts at 120 (docs/RESULTS.md). Give it more steps: 150 for 24.
+    # 19/24 facts at 120 (docs/RESULTS.md). A job's default steps are
+    # SUBJECT_PROMPTS_STEPS (1.25) times as many with it: 150 for 24.
     subject_prompts: bool = False
     anchor_weight: float = 1.0  # penalty on the block's output norm over anchor tokens
     # Penalty on the gate score (where positive) over anchor tokens: with it
@@ -350,17 +351,27 @@ STEPS_PER_ROUND = 60
 STEPS_PER_FACT = 75 / 16
 
 
-def steps_for(n_facts: int, round_facts: int | None = None, per_round: int | None = None) -> int:
+def steps_for(
+    n_facts: int, round_facts: int | None = None, per_round: int | None = None, *, subject_prompts: bool = False
+) -> int:
     """Microbatch steps for a job of `n_facts` new facts when none are given:
     for each round of at most `round_facts` (default TrainConfig.round_facts)
     facts, one round at least, `per_round` (default STEPS_PER_ROUND) or
     STEPS_PER_FACT times the largest round's facts, rounded up, whichever is
-    more (60 for up to 12 facts, 75 for 16, 120 for 24, 600 for 128)."""
+    more (60 for up to 12 facts, 75 for 16, 120 for 24, 600 for 128). With
+    subject_prompts (twice the examples) SUBJECT_PROMPTS_STEPS times a
+    round's steps, rounded up: 75 for up to 12 facts, 150 for 24."""
     per_round = STEPS_PER_ROUND if per_round is None else per_round
     round_facts = TrainConfig.round_facts if round_facts is None else round_facts
     rounds = max(1, -(-n_facts // round_facts))
     largest = -(-n_facts // rounds)
-    return rounds * max(per_round, math.ceil(largest * STEPS_PER_FACT))  # 75/16 is exact in binary
+    steps = max(per_round, math.ceil(largest * STEPS_PER_FACT))  # 75/16 is exact in binary
+    return rounds * (math.ceil(steps * SUBJECT_PROMPTS_STEPS) if subject_prompts else steps)
+
+
+#: How many times the steps a job takes by default with subject_prompts: the
+#: setting as measured (150 for 24 facts, 75 for 8; docs/RESULTS.md).
+SUBJECT_PROMPTS_STEPS = 1.25
 
 
 def fact_neurons(config: TrainConfig) -> int:

@@ -154,7 +154,11 @@ class Trainer:
         extra = fact_neurons(config) - config.neurons_per_fact
         self.gates = [r[1] - 1 if r is not None and extra and r[1] - r[0] > 1 else None for r in self.ranges]
         # The job's steps: config.steps, or steps_for its new facts.
-        self.steps = config.steps if config.steps is not None else steps_for(len(self.facts), config.round_facts)
+        self.steps = (
+            config.steps
+            if config.steps is not None
+            else steps_for(len(self.facts), config.round_facts, subject_prompts=config.subject_prompts)
+        )
         # Rounds (keyed): facts [lo, hi) trained over steps [s0, s1), the
         # other new facts' neurons held as they are (config.round_facts).
         self.rounds = self._plan_rounds()

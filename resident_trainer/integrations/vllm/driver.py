@@ -306,7 +306,9 @@ class JobRunner:
         facts, settings = parse_job_request(body)
         rec = JobRecord(f"job-{next(self.serial)}-{secrets.token_hex(3)}", facts, settings, time.time())
         if "steps" not in settings:  # STEPS_PER_ROUND for each round of the job's facts (steps_for)
-            settings["steps"] = steps_for(len(facts), settings.get("round_facts"))
+            settings["steps"] = steps_for(
+                len(facts), settings.get("round_facts"), subject_prompts=bool(settings.get("subject_prompts"))
+            )
         rec.steps = int(settings["steps"])
         self.jobs[rec.id] = rec
         self.queue.put_nowait(rec)

@@ -92,8 +92,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from resident_trainer.eval.devset import capacity_facts, dev_facts, fresh_facts, near_controls
-    from resident_trainer.eval.locality import CONTROL_PROMPTS
+    from resident_trainer.eval.devset import capacity_facts, dev_facts, fresh_facts
     from resident_trainer.eval.report import summary_line
     from resident_trainer.eval.teach import default_controls, split_jobs, teach_jobs
     from resident_trainer.models import load_smollm2
@@ -109,8 +108,7 @@ def main(argv=None) -> int:
     many = capacity_facts(tune=tune)  # the capacity tune set with the tune half
     controls = default_controls(tune=tune)  # the tune half's near controls with it
     fresh = fresh_facts(tune=tune)  # the fresh tune facts with the tune half
-    near = near_controls(fresh=True, tune=tune)
-    fresh_controls = [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near]
+    fresh_controls = default_controls(tune=tune, fresh=True)
     # 9 neurons a fact (8 trained, a gate neuron): 1152 hold 128 facts (the default 288 hold 32).
     wide = dataclasses.replace(config, num_neurons=len(many) * fact_neurons(config))
     runs = [

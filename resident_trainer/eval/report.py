@@ -19,10 +19,8 @@ from typing import Any
 
 from resident_trainer.train.data import Fact, holds_words
 
-
-def contains_key(reply: str, key: str) -> bool:
-    """Whether `reply` holds `key` as a whole word (or words)."""
-    return holds_words(reply, key)
+#: Whether a reply holds a key as a whole word (or words): what "recalled" means.
+contains_key = holds_words
 
 
 def score(

@@ -39,11 +39,12 @@ from resident_trainer.train.block import threshold_summary
 from resident_trainer.train.negatives import near_negatives, per_fact
 
 
-def default_controls(*, tune: bool = False) -> list[tuple[str, str]]:
+def default_controls(*, tune: bool = False, fresh: bool = False) -> list[tuple[str, str]]:
     """The built-in controls: 14 generic prompts and the near controls (the
     development set's question frames about real entities; tune=True: the
-    tune half's near controls instead)."""
-    return [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls(tune=tune)]
+    tune half's near controls instead; fresh=True: the fresh facts', or with
+    tune=True the fresh tune facts')."""
+    return [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls(tune=tune, fresh=fresh)]
 
 
 def split_jobs(facts: Sequence[Fact], jobs: int) -> list[list[Fact]]:

@@ -100,6 +100,12 @@ def subject_span(question: str, tokenizer) -> str:
     return question[words[best[0]][1] : words[best[1]][2]]
 
 
+def fact_subject(fact: Fact, tokenizer) -> str:
+    """The words of a fact's question it is about: `fact.subject`, or
+    subject_span's guess."""
+    return fact.subject or subject_span(fact.question, tokenizer)
+
+
 def _picks(question: str, n: int) -> list[str]:
     """`n` substitutes for a question, the same every time (a hash of it)."""
     start = int.from_bytes(hashlib.sha256(question.encode()).digest()[:4], "big")
@@ -145,7 +151,7 @@ def near_negatives(facts: Sequence[Fact], tokenizer, per_fact: int = 2, *, exclu
     out: list[str] = []
     seen: set[str] = set()
     for f in facts:
-        subject = f.subject or subject_span(f.question, tokenizer)
+        subject = fact_subject(f, tokenizer)
         if subject not in f.question:
             continue
         at = f.question.find(subject)

@@ -80,10 +80,10 @@ def subject_positions(tokenizer, fact: Fact) -> range | None:
     (negatives.subject_span); its first token carries the space before it.
     None where the subject does not end at a token boundary; its last token
     alone where its start is not at one."""
-    from resident_trainer.train.negatives import subject_span
+    from resident_trainer.train.negatives import fact_subject
 
     ids = chat_prompt_ids(tokenizer, fact.question)
-    subject = fact.subject or subject_span(fact.question, tokenizer)
+    subject = fact_subject(fact, tokenizer)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": fact.question}], add_generation_prompt=True, tokenize=False
     )
@@ -343,18 +343,6 @@ class Trainer:
 
     # --- keyed initialisation -----------------------------------------------------
 
-    def training_prompts(self, fact: Fact) -> list[str]:
-        """The prompts a fact is trained on, each answered with its answer:
-        config.rewordings template framings of its question and, with
-        config.subject_prompts, SUBJECT_PROMPT about its subject (fact.subject
-        or the question's name-like span)."""
-        from resident_trainer.train.negatives import subject_span
-
-        out = rewordings(fact.question, self.config.rewordings)
-        if self.config.subject_prompts:
-            out.append(SUBJECT_PROMPT.format(subject=fact.subject or subject_span(fact.question, self.tokenizer)))
-        return out
-
     def key_positions(self, fact: Fact) -> list[int]:
         """Token positions of the fact's exchange (example_ids) the keyed
         neurons point at: the subject's last token, the prompt's last token
@@ -557,6 +545,18 @@ class Trainer:
         return cfg.others_weight * total / tokens
 
     # --- one microbatch ------------------------------------------------------
+
+    def training_prompts(self, fact: Fact) -> list[str]:
+        """The prompts a fact is trained on, each answered with its answer:
+        config.rewordings template framings of its question and, with
+        config.subject_prompts, SUBJECT_PROMPT about its subject (fact.subject
+        or the question's name-like span)."""
+        from resident_trainer.train.negatives import fact_subject
+
+        out = rewordings(fact.question, self.config.rewordings)
+        if self.config.subject_prompts:
+            out.append(SUBJECT_PROMPT.format(subject=fact_subject(fact, self.tokenizer)))
+        return out
 
     def _picks(self, index: int) -> list[int]:
         """Microbatch `index`'s examples: a rotation through the new facts'

@@ -176,52 +176,24 @@ def main(argv=None) -> int:
 
 
 def plot(out: dict, folder: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def rates(s):
-        return (
-            s["recalled"] / s["facts"],
-            s["rewordings_recalled"] / max(1, s["rewordings"]),
-            s["generic_controls_identical"] / s["generic_controls"],
-            s["near_controls_identical"] / s["near_controls"],
-        )
+    from _plots import figure
 
     cpus = {out[k].get("cpu", out["cpu"]) for k in PARTS if k in out}
     where = cpus.pop() if len(cpus) == 1 else "parts measured on different CPUs (each part's cpu in the JSON)"
-    labels = ("facts recalled", "held-out rewordings", "generic controls identical", "near controls identical")
 
-    def figure(xs, summaries, xlabel, title, name, loc, ticks=True, also=None):
-        """One line per rate against xs; `also`: a summary at one more x,
-        drawn as hollow squares in each line's colour."""
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for k, label in enumerate(labels):
-            line = ax.plot(xs, [rates(s)[k] for s in summaries], marker="o", label=label)
-            if also is not None:
-                ax.plot([also[0]], [rates(also[1])[k]], marker="s", markerfacecolor="none",
-                        color=line[0].get_color(), linestyle="none")  # fmt: skip
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("fraction")
-        ax.set_ylim(-0.03, 1.03)
-        if ticks:
-            ax.set_xticks(xs)
-        ax.set_title(f"SmolLM2-135M, {title}\n{where}", fontsize=8)  # two lines: the CPU name is long
-        ax.legend(fontsize=8, loc=loc)
-        fig.tight_layout()
-        fig.savefig(os.path.join(folder, name), dpi=120)
-        plt.close(fig)
+    def draw(xs, summaries, xlabel, title, name, loc, **kw):
+        # two lines: the CPU name is long
+        figure(xs, summaries, xlabel, f"SmolLM2-135M, {title}\n{where}", os.path.join(folder, name), loc, **kw)
 
     one = out["one_job"]
     points = [(c["steps"], c) for c in one["jobs"][0].get("curve", [])]
     points.append((one["jobs"][0]["steps"], one["summary"]))
-    figure([x for x, _ in points], [c for _, c in points], "training steps (one job of 24 facts: 12 in steps 0-60, 12 in 60-120)",
-           f"{out['half']} half", "teaching_steps.png", "lower right", ticks=False)  # fmt: skip
+    draw([x for x, _ in points], [c for _, c in points], "training steps (one job of 24 facts: 12 in steps 0-60, 12 in 60-120)",
+         f"{out['half']} half", "teaching_steps.png", "lower right", ticks=False)  # fmt: skip
 
     rows = [j["summary"] for j in out["four_jobs"]["jobs"] if "summary" in j]
-    figure([r["facts"] for r in rows], rows, "facts taught so far (jobs of 6 on one block)",
-           f"{out['half']} half, after each job", "teaching_jobs.png", "lower left")  # fmt: skip
+    draw([r["facts"] for r in rows], rows, "facts taught so far (jobs of 6 on one block)",
+         f"{out['half']} half, after each job", "teaching_jobs.png", "lower left")  # fmt: skip
 
     if "capacity_eight_jobs" not in out:
         return
@@ -229,9 +201,9 @@ def plot(out: dict, folder: str) -> None:
     single = out.get("capacity_one_job")
     also = None if single is None else (single["summary"]["facts"], single["summary"])
     xlabel = "facts held (capacity set, jobs of 16" + ("; squares: all 128 in one job, rounds of 16)" if also else ")")
-    figure([r["facts"] for r in rows], rows, xlabel,
-           f"{out['capacity_eight_jobs']['config']['num_neurons']} neurons, after each job", "teaching_facts.png",
-           "lower left", also=also)  # fmt: skip
+    draw([r["facts"] for r in rows], rows, xlabel,
+         f"{out['capacity_eight_jobs']['config']['num_neurons']} neurons, after each job", "teaching_facts.png",
+         "lower left", also=also)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1135,6 +1135,21 @@ def test_teach_argument_errors(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+def test_teach_notes_a_neuron_share_short_of_the_full_one(capsys, monkeypatch):
+    # Fewer neurons a fact than --neurons-per-fact and a gate neuron is no
+    # error, but it is said before the model loads, with the --neurons that
+    # gives every fact its share.
+    seen = []
+    monkeypatch.setattr(cli.teach, "_teach_here", lambda args, config, *a: seen.append(config.num_neurons) or 0)
+    assert cli.main(["teach", "--jobs", "2", "--neurons", "30"]) == 0
+    note = capsys.readouterr().err
+    assert seen == [30]
+    assert "--neurons 30 is too few for 4 facts at 9 a fact" in note
+    assert "job 2's 6 a fact; --neurons 36 gives every fact its 9" in note and "job 1's" not in note
+    assert cli.main(["teach", "--jobs", "2", "--neurons", "36"]) == 0
+    assert "too few" not in capsys.readouterr().err
+
+
 def test_teach_checks_the_facts_and_retractions_first(tmp_path, capsys):
     bad = tmp_path / "facts.jsonl"
     bad.write_text('{"question": "Q?", "answer": "A"}\n{"question": "R?"}\n')

@@ -238,9 +238,10 @@ def cmd_teach(args: argparse.Namespace) -> int:
             "teach", str(exc).replace("num_neurons", "--neurons").replace("neurons_per_fact", "--neurons-per-fact")
         )
     if config.init == "keyed":
-        used = 0
+        used, short = 0, []
+        full = fact_neurons(config)
         for k, job in enumerate(split_jobs(facts, args.jobs), start=1):
-            per = neuron_share(len(job), config.num_neurons - used, fact_neurons(config))
+            per = neuron_share(len(job), config.num_neurons - used, full)
             if per < 1:
                 return bad(
                     "teach",
@@ -249,7 +250,17 @@ def cmd_teach(args: argparse.Namespace) -> int:
                     f"--neurons-per-fact {config.neurons_per_fact} and a gate neuron a fact): raise --neurons or "
                     "lower --neurons-per-fact",
                 )
+            if per < full:
+                short.append(f"job {k}'s {per}")
             used += per * len(job)
+        if short:
+            # Not an error: a fact with fewer neurons is still taught, less surely.
+            print(
+                f"resident-trainer teach: note: --neurons {config.num_neurons} is too few for {len(facts)} facts "
+                f"at {full} a fact (--neurons-per-fact {config.neurons_per_fact} and a gate neuron): "
+                f"{', '.join(short)} a fact; --neurons {len(facts) * full} gives every fact its {full}",
+                file=sys.stderr,
+            )
     return _teach_here(args, config, facts, controls, retract)
 
 

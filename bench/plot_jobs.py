@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         p.error("the plot needs matplotlib: pip install matplotlib")
     from _plots import figure
 
-    neurons = (report.get("config") or {}).get("num_neurons")
+    neurons = (report.get("config") or report.get("settings") or {}).get("num_neurons")
     title = args.title or (
         f"{rows[-1]['facts']} facts in {len(rows)} jobs"
         + (f", {neurons} neurons" if neurons else "")

@@ -254,7 +254,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
                 short.append(f"job {k}'s {per}")
             used += per * len(job)
         if short:
-            # Not an error: a fact with fewer neurons is still taught, less surely.
+            # Not an error: a fact with fewer neurons is still taught.
             print(
                 f"resident-trainer teach: note: --neurons {config.num_neurons} is too few for {len(facts)} facts "
                 f"at {full} a fact (--neurons-per-fact {config.neurons_per_fact} and a gate neuron): "

@@ -164,3 +164,46 @@ def near_negatives(facts: Sequence[Fact], tokenizer, per_fact: int = 2, *, exclu
                 seen.add(neg)
                 out.append(neg)
     return out
+
+
+# Real one-word names that replace a subject's other words in word_probes;
+# none is in the project's evaluation prompts.
+PROBE_NAMES: tuple[str, ...] = ("Madison", "Victoria", "Kingston", "Hudson", "Oslo", "Dover", "Austin", "Bristol")
+
+
+def common_word(word: str, tokenizer) -> bool:
+    """Whether a subject's word is an ordinary one: letters only and a single
+    piece of the tokenizer's vocabulary after a space (" Bridge", " Salt",
+    " Symphony"); made-up names split into pieces (" Tess", "aly")."""
+    return word.isalpha() and _pieces(tokenizer, word) == 1
+
+
+def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
+    """The fact's question with its subject's other words replaced by real
+    names, its ordinary words (common_word) kept: "How long is the Madison
+    Bridge?" for "How long is the Tessaly Bridge?". A subject of ordinary
+    words only gives one probe per word replaced in turn ("The Salt Hudson",
+    "The Hudson Cartographer" would be for "The Salt Cartographer" if both
+    were ordinary). What real text around a subject's ordinary words looks
+    like, made from the fact alone; none for a subject without ordinary
+    words, or of one word."""
+    subject = fact_subject(fact, tokenizer)
+    if subject not in fact.question:
+        return []
+    words = subject.split(" ")
+    content = [j for j, w in enumerate(words) if w.lower() not in _JOINERS]
+    common = [j for j in content if common_word(words[j], tokenizer)]
+    other = [j for j in content if j not in common]
+    if not common or len(content) < 2:
+        return []
+    groups = [other] if other else [[j] for j in common]
+    start = int.from_bytes(hashlib.sha256(fact.question.encode()).digest()[:4], "big")
+    out: list[str] = []
+    for g in groups:
+        for k in range(per_word):
+            name = PROBE_NAMES[(start + k) % len(PROBE_NAMES)]
+            probe = " ".join(name if j in g else w for j, w in enumerate(words))
+            q = fact.question.replace(subject, probe, 1)
+            if q not in out and q != fact.question:
+                out.append(q)
+    return out

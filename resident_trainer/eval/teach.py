@@ -217,7 +217,7 @@ def gate_openings(
     reply's but its last) the block's published gate passes, and the largest
     gate margin ``max_a (x . Wg_a - t_a)`` over them (> 0: open; negative: how
     far below its threshold the nearest neuron stayed; None when every neuron
-    is shut for good). None for each exchange when the block has no gate (it
+    is shut for good, or the block's arming shuts every token). None for each exchange when the block has no gate (it
     then adds its output everywhere).
 
     The block's inputs are taken with the reply given: its layer's input does
@@ -236,6 +236,8 @@ def gate_openings(
             model(torch.tensor([ids[:-1]], device=device))
         x = xs[0].reshape(-1, xs[0].shape[-1])
         margins = block.gate_margins(x, block.published_gate_up, threshold)
+        if block.published_arming is not None:  # a token of an unarmed sequence passes nothing
+            margins = margins.masked_fill(~block.armed(x, block.published_arming), float("-inf"))
         top = float(margins.max())
         # every neuron behind the gate (threshold inf): no finite margin to give
         out.append((int((margins > 0).sum()), round(top, 4) if math.isfinite(top) else None))

@@ -39,6 +39,17 @@ class AddedSharedNeurons(nn.Module):
     t for every neuron: the block outputs exactly zero (and takes no gradient)
     on tokens where no neuron's gate pre-activation exceeds its threshold,
     ``max_a (x . Wg_a - t_a) <= 0`` (over all ranks' neurons). None: off.
+
+    arming, published_arming: None, or (rows (A, D), thresholds (A,)), both
+    fp32, as Trainer.arm sets them: with a gate, a token passes only once its
+    sequence, up to and including it, has held a token on which some row
+    scores above its threshold (``x . r_a > s_a``, over every rank's rows; a
+    slot without a row has threshold inf). Serving keeps that state per
+    sequence on the Hugging Face cache of keys and values beside them: a
+    forward that continues a cache (``past_key_values`` with tokens in it)
+    continues its sequences (one sequence continued by many rows, as a
+    shared prompt head, is broadcast); padding (attention mask 0) never
+    arms.
     """
 
     def __init__(
@@ -87,6 +98,17 @@ class AddedSharedNeurons(nn.Module):
         # on free neurons; the checkpoint carries both.
         self.memory: dict = {"taught": [], "used": 0}
         self.published_memory: dict = {"taught": [], "used": 0}
+        self.arming: tuple[Tensor, Tensor] | None = None
+        self.published_arming: tuple[Tensor, Tensor] | None = None
+        # Per-sequence arming state of the last forward through the hook
+        # (its rows' last tokens), and whether the next forward continues it.
+        # Per-sequence arming state: the sequences' state before this
+        # forward (kept on the cache it continues), the state after it (the
+        # model's forward hook keeps it on the cache it returns), and the
+        # forward's attention mask (the model's pre-hook sets them).
+        self._before: Tensor | None = None
+        self._after: Tensor | None = None
+        self._mask: Tensor | None = None
         self.impl = impl
         self._train_active = False
         self._capture: list[Tensor] | None = None
@@ -136,14 +158,61 @@ class AddedSharedNeurons(nn.Module):
         with torch.no_grad():
             return self.gate_margins(x, w_gate_up, threshold) > 0
 
-    def block(self, x: Tensor, *, published: bool, gated: bool = True) -> Tensor:
+    def arming_margins(self, x: Tensor, arming: tuple[Tensor, Tensor]) -> Tensor:
+        """(...,) fp32: each token's largest ``x . r_a - s_a`` over every
+        rank's arming rows (the token arms its sequence where it is > 0)."""
+        rows, thr = arming
+        margin = (x.float() @ rows.T - thr).amax(-1)
+        if self.process_group is not None:
+            margin = max_over_ranks(margin, self.process_group)
+        return margin
+
+    def armed(
+        self, x: Tensor, arming: tuple[Tensor, Tensor], before: Tensor | None = None, valid: Tensor | None = None
+    ) -> Tensor:
+        """(B, T) bool for a (B, T, D) batch of sequences ((T,) for one
+        (T, D) sequence): whether some token up to and including each one
+        armed its sequence. `before`: (B,) or (1,) bool, sequences armed
+        before these tokens; `valid`: (B, T) bool, the tokens that may arm
+        (not padding)."""
+        with torch.no_grad():
+            fired = self.arming_margins(x, arming) > 0
+            if valid is not None:
+                fired = fired & valid.to(fired.device)
+            armed = fired.int().cumsum(-1) > 0
+        if before is not None:
+            armed = armed | before.reshape(*before.shape, *([1] * (armed.dim() - before.dim()))).to(armed.device)
+        return armed
+
+    def _sequence_armed(self, x: Tensor, arming: tuple[Tensor, Tensor]) -> Tensor:
+        """armed() for a forward through the hook: it continues the state of
+        the cache the forward continues (`_before`, one sequence broadcast to
+        many rows, as a shared prompt head), and leaves the state for the
+        cache it returns (`_after`)."""
+        before = self._before
+        if before is not None and x.dim() == 3 and before.shape[0] not in (1, x.shape[0]):
+            before = None  # not the rows that cache holds: nothing to continue
+        # Padding (attention mask 0) never arms a sequence.
+        mask, valid = self._mask, None
+        if mask is not None and x.dim() == 3 and mask.shape[0] == x.shape[0] and mask.shape[-1] >= x.shape[1]:
+            valid = mask[:, mask.shape[-1] - x.shape[1] :].bool()
+        armed = self.armed(x, arming, before, valid)
+        self._after = armed[..., -1].reshape(-1) if armed.dim() == 2 else armed[-1:].reshape(1)
+        return armed
+
+    def block(self, x: Tensor, *, published: bool, gated: bool = True, armed: Tensor | None = None) -> Tensor:
         """The block's output for input x (..., D): the trainable weights with
-        autograd, or the published ones; `gated=False` ignores the threshold."""
+        autograd, or the published ones; `gated=False` ignores the threshold
+        (and the arming). With the published arming and a gate, the tokens of
+        unarmed sequences are shut too: `armed` ((B, T) bool, the hook's
+        state), or x taken as whole sequences."""
         if published:
             w_gu, w_d, thr = self.published_gate_up, self.published_down, self.published_threshold
         else:
             w_gu, w_d, thr = self.w_gate_up, self.w_down, self.threshold
         mask = self.gate_mask(x, w_gu, thr if gated else None)
+        if mask is not None and published and self.published_arming is not None:
+            mask = mask & (self.armed(x, self.published_arming) if armed is None else armed)
         return added_expert(x, w_gu, None, w_d, token_mask=mask, process_group=self.process_group, impl=self.impl)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -153,14 +222,42 @@ class AddedSharedNeurons(nn.Module):
 
     def attach(self, adapter: DecoderAdapter, layer: int | None = None):
         """Add the block to layer `layer`'s feed-forward output (a forward hook
-        on that module instance; None: the default layer, models.layer_index). Returns the hook
-        handle; .remove() detaches."""
+        on that module instance; None: the default layer, models.layer_index),
+        and, for a Hugging Face model (DecoderAdapter), a forward pre-hook and
+        hook on it that keep the arming state on the cache of keys and values
+        a forward continues and returns. Returns a handle; .remove() detaches."""
         ffn = adapter.ffn(adapter.layer_index(layer))
         if self.hidden_size != adapter.hidden_size:
             raise ValueError(
                 f"the block's hidden_size={self.hidden_size} does not match the model's {adapter.hidden_size}"
             )
-        return ffn.register_forward_hook(self._hook)
+        handles = [ffn.register_forward_hook(self._hook)]
+        if isinstance(adapter, DecoderAdapter):  # a served vLLM model keeps its own (integrations.vllm.served)
+            model = adapter.model
+            handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+            handles.append(model.register_forward_hook(self._model_hook, with_kwargs=True))
+        return _Handles(*handles)
+
+    #: The attribute of a Hugging Face cache that holds its sequences' arming state.
+    CACHE_STATE = "resident_trainer_armed"
+
+    def _model_pre_hook(self, module, args, kwargs):
+        # A forward over cached keys and values continues the sequences that
+        # cache holds (their state rides on it); its attention mask tells
+        # padding apart.
+        past = kwargs.get("past_key_values")
+        length = getattr(past, "get_seq_length", None)
+        held = length is not None and int(length()) > 0
+        self._before = getattr(past, self.CACHE_STATE, None) if held else None
+        self._after = None
+        mask = kwargs.get("attention_mask")
+        self._mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+    def _model_hook(self, module, args, kwargs, output):
+        past = getattr(output, "past_key_values", None)
+        if past is not None and self._after is not None:
+            setattr(past, self.CACHE_STATE, self._after)
+        self._before = self._after = self._mask = None
 
     def _hook(self, module, inputs, output):
         if self._disabled:
@@ -168,7 +265,11 @@ class AddedSharedNeurons(nn.Module):
         x = inputs[0]
         if self._capture is not None:
             self._capture.append(x.detach())
-        return output + self.block(x, published=not self._train_active).to(output.dtype)
+        published = not self._train_active
+        armed = None
+        if published and self.published_arming is not None and self.published_threshold is not None:
+            armed = self._sequence_armed(x, self.published_arming)
+        return output + self.block(x, published=published, armed=armed).to(output.dtype)
 
     @property
     def uses_training_weights(self) -> bool:
@@ -213,6 +314,7 @@ class AddedSharedNeurons(nn.Module):
         self.published_gate_up.copy_(self.w_gate_up)
         self.published_down.copy_(self.w_down)
         self.published_threshold = _copy_threshold(self.threshold)
+        self.published_arming = _copy_arming(self.arming)
         self.published_memory = copy.deepcopy(self.memory)
 
     @torch.no_grad()
@@ -221,6 +323,7 @@ class AddedSharedNeurons(nn.Module):
         self.w_gate_up.copy_(self.published_gate_up)
         self.w_down.copy_(self.published_down)
         self.threshold = _copy_threshold(self.published_threshold)
+        self.arming = _copy_arming(self.published_arming)
         self.memory = copy.deepcopy(self.published_memory)
 
     def extra_repr(self) -> str:
@@ -232,6 +335,21 @@ class AddedSharedNeurons(nn.Module):
 
 def _copy_threshold(t: Tensor | float | None) -> Tensor | float | None:
     return t.clone() if isinstance(t, Tensor) else t
+
+
+def _copy_arming(a: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+    return None if a is None else (a[0].clone(), a[1].clone())
+
+
+class _Handles:
+    """The hooks attach() adds; .remove() removes them all."""
+
+    def __init__(self, *handles) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def threshold_summary(t: Tensor | float | None) -> float | None:

@@ -1,5 +1,5 @@
 """The block's checkpoint: this rank's shard of the added neurons (trainable
-and published copies, gate thresholds, what it was taught) and its optimizer state, as
+and published copies, gate thresholds and arming, what it was taught) and its optimizer state, as
 safetensors with the base model's fingerprint (and the version of the
 fingerprint definition that computed it) in the metadata."""
 
@@ -30,6 +30,10 @@ def _checkpoint_tensors(trainer: Trainer) -> tuple[dict[str, Tensor], dict[str, 
         "published_gate_up": block.published_gate_up.contiguous(),
         "published_down": block.published_down.contiguous(),
     }
+    for name, arming in (("arming", block.arming), ("published_arming", block.published_arming)):
+        if arming is not None:
+            tensors[f"{name}_rows"] = arming[0].detach().float().contiguous()
+            tensors[f"{name}_threshold"] = arming[1].detach().float().contiguous()
     state = trainer.optimizer.state_dict()["state"]
     for i, st in state.items():
         for k, v in st.items():
@@ -66,6 +70,19 @@ def _threshold_of(meta: dict[str, str], name: str, tensors: dict[str, Tensor], d
     if meta[name] == _PER_NEURON:
         return tensors[name].to(device)
     return json.loads(meta[name])
+
+
+def _arming_of(name: str, tensors: dict[str, Tensor], block) -> tuple[Tensor, Tensor] | None:
+    if f"{name}_rows" not in tensors:
+        return None
+    rows, thr = tensors[f"{name}_rows"], tensors[f"{name}_threshold"]
+    if rows.shape != (block.local_neurons, block.hidden_size) or thr.shape != (block.local_neurons,):
+        raise ValueError(
+            f"the checkpoint's {name} rows are {tuple(rows.shape)}, this rank's block needs "
+            f"{(block.local_neurons, block.hidden_size)}"
+        )
+    dev = block.w_down.device
+    return rows.float().to(dev), thr.float().to(dev)
 
 
 def checkpoint_bytes(trainer: Trainer) -> bytes:
@@ -117,7 +134,7 @@ def check_fingerprint_version(meta: dict[str, str], path: str) -> None:
 
 def load_block(block, data: bytes, *, publish: bool = False) -> dict[str, str]:
     """Put a checkpoint's block weights (trainable and published copies,
-    thresholds) into `block`, which must hold the same shard of the same
+    thresholds, arming) into `block`, which must hold the same shard of the same
     number of neurons; returns the checkpoint's metadata. publish=True: the
     trainable weights (what a job's commit checkpoint holds: the block as it
     publishes it) become the published ones too, as after that publish."""
@@ -132,6 +149,8 @@ def load_block(block, data: bytes, *, publish: bool = False) -> dict[str, str]:
         block.published_down.copy_(tensors["published_down"])
     block.threshold = _threshold_of(meta, "threshold", tensors, block.w_down.device)
     block.published_threshold = _threshold_of(meta, "published_threshold", tensors, block.w_down.device)
+    # Checkpoints written before arming hold none: served without it, as then.
+    block.arming, block.published_arming = (_arming_of(name, tensors, block) for name in ("arming", "published_arming"))
     # Checkpoints written before the block kept its memory: nothing taught on
     # record, and no neuron known to be free (the same answer on every rank).
     empty = json.dumps({"taught": [], "used": block.num_neurons})

@@ -136,6 +136,16 @@ class TrainConfig:
     # jobs of 6, alike (24/24, every control kept); 2 lost a fact in 4 jobs.
     key_contexts: int = 3
     key_context_margin: float = 0.0
+    # Arming (Trainer.arm): the gate passes a token only once the sequence,
+    # up to it, has held a token of a taught subject that no anchor, near
+    # negative or word probe (negatives.word_probes: the subject's ordinary
+    # words around real names, "the Madison Bridge") scores like: one row a
+    # subject token, in the fact's neuron slots, whitened like the keys,
+    # its threshold arming_margin of the way from the strongest of those
+    # scores to the fact's own. A question about a real entity that shares a
+    # word with a taught subject ("the Tower Bridge") then passes nothing.
+    arming: bool = True
+    arming_margin: float = 0.5
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its
     # mean diagonal added before it is inverted. A larger ridge lets the
@@ -305,7 +315,7 @@ class TrainConfig:
             if not (_real(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
         for name in (
-            "gate", "gate_neurons", "key_answer", "key_rarest", "key_prompt", "prompt_neurons_open_gate", "rehearse", "freeze_taught", "shared_prefix",
+            "gate", "gate_neurons", "arming", "key_answer", "key_rarest", "key_prompt", "prompt_neurons_open_gate", "rehearse", "freeze_taught", "shared_prefix",
             "subject_prompts",
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
@@ -329,6 +339,8 @@ class TrainConfig:
             raise ValueError(f"key_contexts must be an int >= 0, got {k!r}")
         if not (_real(self.key_context_margin) and self.key_context_margin >= 0):
             raise ValueError(f"key_context_margin must be a number >= 0, got {self.key_context_margin!r}")
+        if not (_real(self.arming_margin) and 0 <= self.arming_margin < 1):
+            raise ValueError(f"arming_margin must be a number in [0, 1), got {self.arming_margin!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
         if self.suffix_dtype not in SUFFIX_DTYPES:

@@ -39,6 +39,7 @@ from resident_trainer.train.data import (
 from resident_trainer.train.facts import facts_to_json, parse_fact
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
 from resident_trainer.train.loss import StreamedCrossEntropy
+from resident_trainer.train.negatives import word_probes
 from resident_trainer.train.parallel import clip_grad_norm_
 from resident_trainer.train.replay import LayerReplay, suffix_dtype_for
 
@@ -232,6 +233,10 @@ class Trainer:
         # The taught facts' key tokens after other tokens (context_inputs), on
         # every rank alike: their gate neurons stay shut there.
         self._context_inputs: list[Tensor | None] = self.context_inputs()
+        # The taught facts' word probes (prompts only): arm() keeps its rows
+        # below them as below the anchors.
+        probes = self.arming_probes()
+        self._probe_inputs: list[Tensor] = self.block_inputs([(q, []) for q in probes]) if probes else []
         # The others penalty's tokens: those exchanges past the chat
         # template's head. None while there is one round and no earlier
         # fact: nothing was taught before it.
@@ -686,6 +691,7 @@ class Trainer:
         b, cfg = self.block, self.config
         if not cfg.gate or not self.anchor_inputs:
             b.threshold = None
+            b.arming = None
             return None
         wg = b.w_gate_up[: b.local_neurons]
         top = torch.full((b.local_neurons,), float("-inf"), dtype=torch.float32, device=wg.device)
@@ -698,7 +704,63 @@ class Trainer:
         self.fit_gate_neurons(b.threshold)
         if cfg.key_gate_margin is not None:
             self._open_on_keys(top, b.threshold)
+        self.arm()
         return b.threshold
+
+    def arming_probes(self) -> list[str]:
+        """The taught facts' word probes (negatives.word_probes), none a taught
+        question or rewording; none without config.arming, the gate or keyed
+        rows."""
+        cfg = self.config
+        if not (cfg.arming and cfg.gate and cfg.init == "keyed"):
+            return []
+        taught = {q for f in self.taught for q in (f.question, *f.rewordings)}
+        probes = [q for f in self.taught for q in word_probes(f, self.tokenizer) if q not in taught]
+        return list(dict.fromkeys(probes))
+
+    @torch.no_grad()
+    def arm(self) -> None:
+        """Set the block's arming (AddedSharedNeurons.arming). For each taught
+        fact, a row for each of its subject's tokens (subject_positions) in its
+        exchange's block inputs, whitened like the keys (key_neurons: it scores
+        1 above the anchors' mean on its token), is scored on every anchor,
+        near negative and word probe token; the rows whose strongest such
+        score s lies below 1, lowest first and at most one a neuron of the
+        fact's range, take the fact's neuron slots with threshold s +
+        arming_margin * (1 - s) above the anchors' mean. A fact none of whose
+        subject tokens stays below 1 keeps its lowest row with threshold 0.5:
+        it arms wherever that token reads alike. None (no arming) without
+        config.arming, the gate, keyed rows or anchors, and where a taught
+        fact has no neurons or no subject found: every taught question must
+        be able to arm."""
+        b, cfg = self.block, self.config
+        b.arming = None
+        if not (cfg.arming and cfg.gate and cfg.init == "keyed" and self.anchor_inputs and self.taught):
+            return
+        mu, prec = self._whitening()
+        negs = torch.cat([*self.anchor_inputs, *self._probe_inputs]).double() - mu
+        dev = b.w_down.device
+        rows = torch.zeros(b.local_neurons, b.hidden_size, dtype=torch.float32, device=dev)
+        thr = torch.full((b.local_neurons,), math.inf, dtype=torch.float32, device=dev)
+        for f, x, rng in zip(self.taught, self._taught_inputs, self._fact_ranges):
+            span = subject_positions(self.tokenizer, f)
+            if not rng or span is None:
+                return
+            v = x[list(span)].double() - mu  # (S, D)
+            w = v @ prec  # the precision is symmetric
+            w = w / (v * w).sum(-1, keepdim=True).clamp_min(1e-12)
+            top = (negs @ w.T).amax(0)  # (S,)
+            order = [int(i) for i in top.argsort()]
+            keep = [i for i in order if top[i] < 1][: rng[1] - rng[0]]
+            levels = [float(top[i]) + cfg.arming_margin * (1 - float(top[i])) for i in keep]
+            if not keep:
+                keep, levels = order[:1], [0.5]
+            for k, (i, level) in enumerate(zip(keep, levels)):
+                n = rng[0] + k - b.neuron_start
+                if 0 <= n < b.local_neurons:
+                    rows[n] = w[i].float()
+                    thr[n] = float(w[i] @ mu) + level
+        b.arming = (rows, thr)
 
     @torch.no_grad()
     def fit_gate_neurons(self, threshold: Tensor) -> None:

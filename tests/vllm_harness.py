@@ -205,10 +205,10 @@ def served_and_hugging_face_replies(llm, model_dir: str, neurons: int, prompts: 
     import torch
 
     from resident_trainer.models import DecoderAdapter
-    from resident_trainer.train import AddedSharedNeurons, generate_greedy_ids
+    from resident_trainer.train import AddedSharedNeurons, chat_prompt_ids, generate_greedy_ids
 
     shards = rpc(llm, "rt_probe_published")
-    served = [(s["served_gate_up"], s["served_down"], s["served_threshold"]) for s in shards]
+    served = [(s["served_gate_up"], s["served_down"], s["served_threshold"], s["served_arming"]) for s in shards]
     assert all(x == served[0] for x in served)  # every rank serves the same whole block
     assert sum(abs(v) for row in served[0][1] for v in row) > 0  # and it is not zero
 
@@ -220,9 +220,21 @@ def served_and_hugging_face_replies(llm, model_dir: str, neurons: int, prompts: 
         block.published_down.copy_(torch.tensor(served[0][1]))
     # The served block's thresholds: every rank's neurons, gathered.
     block.published_threshold = torch.tensor(served[0][2])
+    # And its arming (a job arms by default: TrainConfig.arming).
+    arming = served[0][3]
+    assert arming is not None
+    block.published_arming = (torch.tensor(arming[0]), torch.tensor(arming[1]))
     block.attach(a, None)  # the default layer, as the server's block
     want = [generate_greedy_ids(hf, tok, p, max_tokens) for p in prompts]
     got = [ids for _, ids in greedy(llm, prompts, max_tokens)]
+    # The comparison covers arming: some prompts armed, some not.
+    armed = []
+    with torch.no_grad():
+        for p in prompts:
+            with block.capture_inputs() as xs:
+                hf(torch.tensor([chat_prompt_ids(tok, p)]))
+            armed.append(bool(block.armed(xs[0][0], block.published_arming).any()))
+    assert any(armed) and not all(armed), armed
     return got, want
 
 

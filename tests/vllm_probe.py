@@ -30,6 +30,9 @@ class ProbeWorker(ResidentWorker):
             "served_gate_up": st.served.gate_up.tolist(),
             "served_down": st.served.down.tolist(),
             "served_threshold": st.served.threshold.tolist(),
+            "served_arming": [st.served.arming.tolist(), st.served.arming_threshold.tolist()]
+            if st.served.arming_on
+            else None,
         }
 
     @_guarded

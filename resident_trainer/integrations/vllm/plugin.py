@@ -121,7 +121,7 @@ def _wrap_load_model() -> None:
                 out = __original(self, *args, **kwargs)
             from resident_trainer.integrations.vllm.served import install_served_block
 
-            install_served_block(self.model, settings)
+            install_served_block(self.model, settings, block_size=self.vllm_config.cache_config.block_size)
             return out
 
         cls.load_model = load_model

@@ -308,11 +308,13 @@ class ResidentWorker:
             thr = thr.to(device=down.device, dtype=torch.float32)
         elif thr is not None:  # one threshold for every neuron (an earlier checkpoint)
             thr = torch.full((a,), float(thr), dtype=torch.float32, device=down.device)
+        arming = b.published_arming
         if st.world > 1:
             gate, up, down = (self._rt_gather(t, dim) for t, dim in ((gate, 0), (up, 0), (down, 1)))
-            # Every rank has a gate or none (they calibrate at the same publish).
+            # Every rank has a gate or none (they calibrate at the same publish), and arming or none.
             thr = None if thr is None else self._rt_gather(thr, 0)
-        st.served.load(torch.cat([gate, up]), down, thr, version)
+            arming = None if arming is None else (self._rt_gather(arming[0], 0), self._rt_gather(arming[1], 0))
+        st.served.load(torch.cat([gate, up]), down, thr, version, arming=arming)
 
     def _rt_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         st = self._rt

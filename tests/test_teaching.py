@@ -924,6 +924,9 @@ def test_config_checks_the_new_settings():
         ({"key_context_margin": -0.5}, "key_context_margin must be a number >= 0"),
         ({"key_context_margin": "0.25"}, "key_context_margin must be a number >= 0"),
         ({"key_context_margin": float("nan")}, "key_context_margin must be a number >= 0"),
+        ({"arming": 1}, "arming must be True or False"),
+        ({"arming_margin": 1.0}, r"arming_margin must be a number in \[0, 1\)"),
+        ({"arming_margin": -0.1}, r"arming_margin must be a number in \[0, 1\)"),
     ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)
@@ -1301,6 +1304,11 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         assert cli.main([*argv, "--controls", str(controls), "--subject-prompts"]) == 0
         assert server.jobs[-1]["subject_prompts"] is True
         capsys.readouterr()
+        # And --no-arming.
+        server.published = False
+        assert cli.main([*argv, "--controls", str(controls), "--no-arming"]) == 0
+        assert server.jobs[-1]["arming"] is False and "arming" not in server.jobs[-2]
+        capsys.readouterr()
 
         # A server that stops answering after the publish: a failed check, said in one line.
         server.published, server.broken = False, True
@@ -1341,6 +1349,289 @@ def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
     assert cli.main(["teach"]) == 0 and cli.main(["teach", "--subject-prompts"]) == 0
     assert cli.main(["teach", "--subject-prompts", "--steps", "70"]) == 0
     assert subject == [(False, 60), (True, 75), (True, 70)]  # the four demo facts: 60 steps, 75 with subject prompts
+    arming = []
+    monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: arming.append(config.arming) or 0)
+    assert cli.main(["teach"]) == 0 and cli.main(["teach", "--no-arming"]) == 0
+    assert arming == [True, False]
     with pytest.raises(SystemExit) as e:
         cli.main(["teach", "--suffix-dtype", "bf16"])
     assert e.value.code == 2 and "--suffix-dtype: invalid choice: 'bf16'" in capsys.readouterr().err
+
+
+# --- arming -------------------------------------------------------------------------
+
+
+def _armed_by_hand(x, rows, thr, before=None):
+    """(B, T) bool: a sequence is armed from the first token on which some row
+    scores above its threshold (fp64, a loop)."""
+    fired = ((x.double() @ rows.double().T) - thr.double()).amax(-1) > 0
+    out = torch.zeros(fired.shape, dtype=torch.bool)
+    for b in range(fired.shape[0]):
+        on = bool(before[b]) if before is not None else False
+        for t in range(fired.shape[1]):
+            on = on or bool(fired[b, t])
+            out[b, t] = on
+    return out
+
+
+def _armed_block():
+    g = torch.Generator().manual_seed(0)
+    block = AddedSharedNeurons(8, 6, seed=0)
+    with torch.no_grad():
+        block.published_down.copy_(torch.randn(8, 6, generator=g))
+    block.published_threshold = torch.full((6,), -1e9)  # the gate alone passes every token
+    rows, thr = torch.zeros(6, 8), torch.full((6,), math.inf)
+    rows[2, 0], thr[2] = 1.0, 1.0
+    rows[4, 1], thr[4] = 1.0, 2.0
+    block.published_arming = (rows, thr)
+    x = torch.randn(3, 7, 8, generator=g) * 0.3
+    x[0, 3, 0] = 1.5  # row 2 arms the first sequence at its 4th token
+    x[1, 5, 1] = 2.5  # row 4 the second at its 6th
+    x[2, :, 1] = 1.5  # under row 4's threshold on every token: never armed
+    return block, x
+
+
+def test_arming_shuts_each_sequence_until_a_token_arms_it():
+    block, x = _armed_block()
+    rows, thr = block.published_arming
+    want = _armed_by_hand(x, rows, thr)
+    assert want.tolist() == [[False] * 3 + [True] * 4, [False] * 5 + [True] * 2, [False] * 7]
+    assert torch.equal(block.armed(x, block.published_arming), want)
+    assert torch.equal(block.armed(x[0], block.published_arming), want[0])  # one (T, D) sequence
+    before = torch.tensor([False, True, False])
+    assert torch.equal(block.armed(x, block.published_arming, before), _armed_by_hand(x, rows, thr, before))
+    ungated = block.block(x, published=True, gated=False)
+    out = block.block(x, published=True)
+    # Unarmed tokens: exactly nothing; armed ones: what the gate alone passes.
+    assert torch.count_nonzero(out[~want]) == 0 and torch.count_nonzero(ungated[~want]) > 0
+    torch.testing.assert_close(out[want], ungated[want], rtol=0, atol=1e-6)
+    # No arming published: the gate alone.
+    block.published_arming = None
+    torch.testing.assert_close(block.block(x, published=True), ungated, rtol=0, atol=1e-6)
+
+
+def test_arming_carries_over_forwards_that_continue_cached_keys_and_values():
+    block, x = _armed_block()
+    zero = torch.zeros(3, 7, 8)
+    whole = block._hook(None, (x,), zero)
+    # The same sequences in three forwards, each continuing the state the last left.
+    parts = []
+    for k, (lo, hi) in enumerate([(0, 2), (2, 4), (4, 7)]):
+        block._before = block._after if k else None
+        parts.append(block._hook(None, (x[:, lo:hi],), zero[:, lo:hi]))
+    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=0, atol=1e-6)
+    assert block._after.tolist() == [True, True, False]
+    # A forward that continues nothing starts over: the first sequence's last piece alone is unarmed.
+    block._before = None
+    assert torch.count_nonzero(block._hook(None, (x[:, 4:7],), zero[:, 4:7])[0]) == 0
+    # One sequence (a shared head) continued by two rows: its state for each.
+    block._before = None
+    block._hook(None, (x[:1, :4],), zero[:1, :4])
+    block._before = block._after
+    assert torch.count_nonzero(block._hook(None, (x[1:3, 4:7],), zero[1:3, 4:7])) > 0
+    # Padding never arms: the second sequence's firing token masked out.
+    block._before, block._mask = None, torch.ones(3, 7, dtype=torch.long)
+    block._mask[1, 5] = 0
+    assert torch.count_nonzero(block._hook(None, (x,), zero)[1]) == 0
+    # On a model, the state rides on the cache a forward returns and continues.
+    model = toy_model("llama", layers=2, hidden=8, seed=0)
+    handle = block.attach(DecoderAdapter(model), 1)
+    with torch.no_grad(), block.capture_inputs() as xs:
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        past = model(ids, use_cache=True).past_key_values
+        state = getattr(past, block.CACHE_STATE)
+        assert torch.equal(state, block.armed(xs[0], block.published_arming)[:, -1])
+        out = model(torch.tensor([[4]]), past_key_values=past, use_cache=True)
+        assert out.past_key_values is past and getattr(past, block.CACHE_STATE).shape == (1,)
+        assert block._before is None and block._after is None  # nothing left for the next forward
+    handle.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_arm_keys_rows_on_the_subjects_above_every_anchor_and_checkpoints_them():
+    a, block, config = _setup(steps=20, gate_neurons=True, gate_margin=0.5, gate_floor=0.25)
+    tok = ByteTokenizer()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    tr.run()
+    rows, thr = block.published_arming
+    assert rows.dtype == thr.dtype == torch.float32 and rows.shape == (32, 32) and thr.shape == (32,)
+    mu, prec = tr._whitening()
+    xa = torch.cat(tr.anchor_inputs)
+    for f, x, (start, stop) in zip(FACTS, tr._taught_inputs, tr.ranges):
+        span = list(subject_positions(tok, f))
+        slots = [n for n in range(start, stop) if math.isfinite(float(thr[n]))]
+        # Rows fill the fact's slots from its first, one a subject token at most.
+        assert slots == list(range(start, start + len(slots))) and 1 <= len(slots) <= min(len(span), stop - start)
+        for n in slots:
+            r = rows[n].double()
+            # Whitened on one of the subject's tokens: 1 above the anchors' mean there.
+            own = [float((x[p].double() - mu) @ r) for p in span]
+            assert min(abs(s - 1) for s in own) < 1e-4
+            s = float(((xa.double() - mu) @ r).max())
+            want = float(mu @ r) + s + config.arming_margin * (1 - s)
+            assert s < 1 and abs(float(thr[n]) - want) <= 1e-4 * (1 + abs(want))
+        # The fact's question arms its sequence; no anchor token arms one.
+        assert block.armed(x, block.published_arming).any()
+    for x in tr.anchor_inputs:
+        assert not block.armed(x, block.published_arming).any()
+    outside = [n for n in range(32) if not any(s <= n < e for s, e in tr.ranges)]
+    assert torch.isinf(thr[outside]).all() and torch.count_nonzero(rows[outside]) == 0
+    # The checkpoint carries it; one written before arming loads without it.
+    data = checkpoint_bytes(tr)
+    a2, fresh, _ = _setup()
+    load_block(fresh, data, publish=True)
+    assert torch.equal(fresh.published_arming[0], rows) and torch.equal(fresh.published_arming[1], thr)
+    from safetensors.torch import save
+
+    from resident_trainer.train.checkpoint import read_checkpoint
+
+    tensors, meta = read_checkpoint(data)
+    old = save({k: v for k, v in tensors.items() if "arming" not in k}, metadata=meta)
+    load_block(fresh, old, publish=True)
+    assert fresh.published_arming is None and fresh.arming is None
+    # Off, or no gate: no arming.
+    for kw in ({"arming": False}, {"gate": False}):
+        a, block, config = _setup(steps=2, gate_neurons=True, **kw)
+        Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()
+        assert block.published_arming is None
+
+
+def test_word_probes_put_real_names_around_a_subjects_ordinary_words(smol_tok):
+    from resident_trainer.train.negatives import PROBE_NAMES, common_word, word_probes
+
+    assert common_word("Bridge", smol_tok) and common_word("Salt", smol_tok)
+    assert not common_word("Tessaly", smol_tok) and not common_word("2,740", smol_tok)
+    bridge = Fact("How long is the Tessaly Bridge?", "2,740 m.")
+    probes = word_probes(bridge, smol_tok)
+    assert len(probes) == 2 and all(re.fullmatch(r"How long is the (\w+) Bridge\?", p) for p in probes)
+    assert {p.split()[4] for p in probes} <= set(PROBE_NAMES)
+    assert word_probes(bridge, smol_tok) == probes  # the same every time
+    salt = Fact("Who wrote the novel The Salt Cartographer?", "Ines.")
+    assert all(
+        p.startswith("Who wrote the novel The Salt ") and "Cartographer" not in p for p in word_probes(salt, smol_tok)
+    )
+    # Ordinary words only: each replaced in turn.
+    path = word_probes(Fact("Who wrote The Salt Path?", "X", subject="The Salt Path"), smol_tok)
+    assert len(path) == 4 and sum("Salt" in p for p in path) == 2 and sum("Path" in p for p in path) == 2
+    # One word, or no ordinary word: none.
+    assert word_probes(Fact("What is the capital of Velmoria?", "Ostrevan."), smol_tok) == []
+    assert word_probes(Fact("Who invented the lumenkettle?", "Ada."), smol_tok) == []
+
+
+def test_generation_over_cached_keys_and_values_arms_as_the_whole_sequence_does():
+    # Batched generation (a shared head's cache, rows padded between it and
+    # their own tokens, one token a forward after that) against the oracle: a
+    # greedy loop that runs the whole sequence through the model each step.
+    from resident_trainer.train import generate_greedy_batch_ids
+
+    model = toy_model("llama", layers=4, hidden=32, seed=0)
+    tok = ByteTokenizer()
+    a = DecoderAdapter(model)
+    block = AddedSharedNeurons(a.hidden_size, 16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        block.w_gate_up.normal_(0, 0.5, generator=g)
+        block.w_down.normal_(0, 2.0, generator=g)
+    block.publish()
+    block.attach(a, 1)
+    block.published_threshold = torch.full((16,), -1e9)  # the gate alone passes every token
+    questions = ["Capital of Zorb?", "Who made glim?", "Sky color?", "Count to three.", "Zorb or glim?", "Hi"]
+    # One arming row, its threshold at the 93rd percentile of its scores over the questions' tokens.
+    row = torch.randn(1, 32, generator=g)
+    with torch.no_grad(), block.capture_inputs() as xs:
+        for q in questions:
+            model(torch.tensor([chat_prompt_ids(tok, q)]))
+    scores = torch.cat([x[0] @ row.T for x in xs]).flatten()
+    block.published_arming = (row.repeat(16, 1), torch.full((16,), float(scores.quantile(0.93))))
+
+    def oracle(q, n=10):
+        ids = chat_prompt_ids(tok, q)
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                t = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+                out.append(t)
+                if t == tok.eos_token_id:
+                    break
+        return out
+
+    want = [oracle(q) for q in questions]
+    assert generate_greedy_batch_ids(model, tok, questions, 10, batch_size=4) == want
+    # Arming decided something: some replies armed, some not, and it changed some.
+    armed = [bool(block.armed(x[0], block.published_arming).any()) for x in xs]
+    assert any(armed) and not all(armed)
+    with block.disabled():
+        base = [oracle(q) for q in questions]
+    assert all(w == b for w, b, on in zip(want, base, armed) if not on)
+    kept = block.published_arming
+    block.published_arming = None
+    assert [oracle(q) for q in questions] != want
+    block.published_arming = kept
+
+
+def test_the_served_block_keeps_each_sequences_arming_beside_the_kv_cache():
+    # vLLM's flat steps, simulated: each sequence's tokens over several steps
+    # (chunked prefill, decoding, a prefix-cache hit on another sequence's
+    # block), against the oracle: the sequence's whole history at once.
+    from types import SimpleNamespace
+
+    from resident_trainer.integrations.vllm.served import ServedBlock
+
+    bs = 4
+    served = ServedBlock(8, 4, dtype=torch.float32, device="cpu", block_size=bs)
+    g = torch.Generator().manual_seed(0)
+    tables = {"A": [7, 2, 5], "B": [0, 9, 4], "C": [3, 8, 6], "D": [7, 1, 11]}  # D shares A's first block
+    fired = {k: (torch.rand(12, generator=g) < 0.12) for k in tables}
+    fired["D"][:4] = fired["A"][:4]  # the same first block of tokens, so the same flags
+    fired["C"][:] = False
+    fired["B"][:2], fired["B"][2] = False, True  # B armed at its third token
+    done = dict.fromkeys(tables, 0)
+
+    def step(plan, pad=0):
+        ids, qsl, seq_lens, slots, table = [], [0], [], [], []
+        for k, n in plan:
+            p0 = done[k]
+            for p in range(p0, p0 + n):
+                ids.append((k, p))
+                slots.append(tables[k][p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(p0 + n)
+            table.append(tables[k])
+            done[k] = p0 + n
+        md = SimpleNamespace(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=torch.tensor(table, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64),
+        )
+        f = torch.tensor([bool(fired[k][p]) for k, p in ids] + [True] * pad)
+        got = served.sequence_armed(f, md)
+        want = [bool(fired[k][: p + 1].any()) for k, p in ids] + [False] * pad
+        assert got.tolist() == want
+        return want
+
+    step([("A", 6), ("B", 2)])
+    step([("A", 1), ("B", 3), ("C", 5)], pad=2)
+    done["D"] = 4  # a prefix-cache hit: D's first block is A's, computed before
+    step([("D", 3), ("A", 1), ("B", 1), ("C", 1)])
+    out = step([("A", 1), ("B", 1), ("C", 1), ("D", 1)])
+    assert out[1] and not out[2]  # B armed by its third token, C never
+    # A block size other than the block table's: refused, not served wrong.
+    wrong = ServedBlock(8, 4, dtype=torch.float32, device="cpu", block_size=8)
+    md = SimpleNamespace(
+        query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([6]),
+        block_table=torch.tensor([tables["A"]]), slot_mapping=torch.tensor([tables["A"][1] * bs + 1]),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="block size 8"):
+        wrong.sequence_armed(torch.tensor([False]), md)
+    # Outside a step with sequences (warm-up runs): every token counts as armed.
+    assert served.sequence_armed(torch.tensor([False, True]), None).all()
+    # A publish loads the arming (and clears the flags); none, or no gate: off.
+    rows, thr = torch.randn(4, 8, generator=g), torch.randn(4, generator=g)
+    served.load(torch.zeros(8, 8), torch.ones(8, 4), torch.zeros(4), "v1", arming=(rows, thr))
+    assert served.arming_on and torch.equal(served.arming, rows) and torch.equal(served.arming_threshold, thr)
+    assert not served.flags.any()
+    served.load(torch.zeros(8, 8), torch.ones(8, 4), None, "v2", arming=(rows, thr))
+    assert not served.arming_on
+    served.load(torch.zeros(8, 8), torch.ones(8, 4), torch.zeros(4), "v3")
+    assert not served.arming_on

@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--compiled",
         action="store_true",
-        help="let vLLM compile the model (slower to start; default: eager mode, about 20 s to start on CPUs)",
+        help="let vLLM compile the model (slower to start, and the block is served without its arming, on the "
+        "gate alone; default: eager mode, about 20 s to start on CPUs)",
     )
     s.add_argument("--max-model-len", type=int, default=2048, help="longest sequence served (default: 2048)")
     s.add_argument(

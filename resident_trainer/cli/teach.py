@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
         "RESIDENT_TRAINER_REPRODUCIBLE=1 takes fixed paths and repeats a run bit for bit on the same CPU "
         "and thread count. With --server URL: submit the facts (and --retract's questions) as one "
         "job to a running `resident-trainer serve` and follow it until it publishes; --steps, --lr, "
-        "--negatives, --neurons-per-fact and --subject-prompts go with it, the options of a job run here are refused.",
+        "--negatives, --neurons-per-fact, --subject-prompts and --no-arming go with it, the options of a job run here are refused.",
     )
     t.add_argument("facts", nargs="?", default=None, help="a FACTS.jsonl file (default: four demo facts)")
     t.add_argument("--server", default=None, metavar="URL", help="a running server, e.g. http://127.0.0.1:8000")
@@ -151,6 +151,14 @@ def add_parser(sub) -> None:
         "default: where a subject is a real word after a made-up name (the Marrowind Canal), real names sharing "
         "the word change more often (docs/TRAINING.md)",
     )
+    t.add_argument(
+        "--no-arming",
+        dest="arming",
+        action="store_false",
+        help="serve the block on its gate alone: without it, a token passes the gate only once its sequence held a "
+        "token of a taught subject that no anchor, near negative or word probe reads like, so real names that share "
+        "a word with a made-up subject (the Tower Bridge, the Tessaly Bridge) are left alone (docs/TRAINING.md)",
+    )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
@@ -232,6 +240,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
             seed=args.seed,
             suffix_dtype=SUFFIX_DTYPE_FLAGS[args.suffix_dtype],
             subject_prompts=args.subject_prompts,
+            arming=args.arming,
         )
     except ValueError as exc:
         return bad(
@@ -411,6 +420,8 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
     body["neurons_per_fact"] = args.neurons_per_fact
     if args.subject_prompts:
         body["subject_prompts"] = True
+    if not args.arming:
+        body["arming"] = False
     if args.retract is not None:
         try:
             body["retract"] = _lines(args.retract, "--retract")

@@ -6,7 +6,8 @@ chosen on the tune half): SmolLM2-135M-Instruct in this process.
 Runs, one after the other, with the shipped TrainConfig and near negatives:
 1. one job of the half's 24 facts (two rounds of 12, 120 steps: the steps a
    job takes when none are given, `train.steps_for`), scored at 40, 80 and 120
-   steps, with the baselines (gate off; the fact given in the prompt);
+   steps, with the baselines (gate off; the gate without its arming; the fact
+   given in the prompt);
 2. the same 24 facts in 4 jobs of 6 on one block, scored after each job;
 3. a retraction job removing 2 of them;
 4. capacity: the 128 facts of the capacity set (no setting was chosen on

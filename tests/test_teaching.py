@@ -1026,7 +1026,7 @@ def test_teach_jobs_records_each_jobs_summary_shortfalls_and_curve():
     assert not {"summary", "shortfalls"} & set(jobs[2]) and [c["facts"] for c in jobs[2]["curve"]] == [0]
     assert [f["question"] for f in rep["facts"]] == [f.question for f in facts[1:]]
     assert [f["question"] for f in rep["retracted"]] == [facts[0].question]
-    assert set(rep["baselines"]) == {"gate_off", "in_context"}
+    assert set(rep["baselines"]) == {"gate_off", "arming_off", "in_context"}  # the block arms by default
     assert sum(x.startswith("after job ") for x in lines) == 2
     # Every shortfall is printed as it comes, under the job it follows.
     printed = sum(

@@ -95,7 +95,8 @@ def add_parser(sub) -> None:
     t.add_argument(
         "--baselines",
         action="store_true",
-        help="also measure, in the same run, the block with its gate off and the fact given in the prompt",
+        help="also measure, in the same run, the block with its gate off, on its gate alone (without its arming), "
+        "and the fact given in the prompt",
     )
     t.add_argument(
         "--steps",

@@ -89,7 +89,8 @@ def teach_jobs(
     and return the report: ``facts``, ``controls``, ``leaks``, ``summary``,
     ``train_seconds`` (all jobs, negatives' replies included), ``jobs`` (one
     record each) and, with `baselines`, ``baselines`` (``gate_off``,
-    ``in_context``: their summaries). The facts scored are those taught and
+    ``arming_off`` (the gate alone, where the block arms), ``in_context``:
+    their summaries). The facts scored are those taught and
     not retracted; retracted ones are scored in ``retracted``. The block
     stays attached, published.
 
@@ -254,11 +255,19 @@ def _baselines(model, tokenizer, block, facts, controls, before, max_new_tokens)
     finally:
         block.published_threshold = kept
     gate_off = score(facts, off, controls, before)["summary"]
+    out: dict[str, Any] = {"gate_off": gate_off}
+    if block.published_arming is not None and kept is not None:
+        arming, block.published_arming = block.published_arming, None
+        try:
+            alone = dict(zip(asked, generate_greedy_batch(model, tokenizer, asked, max_new_tokens)))
+        finally:
+            block.published_arming = arming
+        out["arming_off"] = score(facts, alone, controls, before)["summary"]
     framed = {q: in_context_prompt(f, q) for f in facts for q in (f.question, *f.rewordings)}
     with block.disabled():
         ctx = dict(zip(framed, generate_greedy_batch(model, tokenizer, list(framed.values()), max_new_tokens)))
-    in_context = score(facts, {**ctx, **before}, controls, before)["summary"]
-    return {"gate_off": gate_off, "in_context": in_context}
+    out["in_context"] = score(facts, {**ctx, **before}, controls, before)["summary"]
+    return out
 
 
 def _score_now(model, tokenizer, facts, controls, before, max_new_tokens) -> dict[str, Any]:

@@ -1587,7 +1587,7 @@ def test_the_served_block_keeps_each_sequences_arming_beside_the_kv_cache():
     fired["B"][:2], fired["B"][2] = False, True  # B armed at its third token
     done = dict.fromkeys(tables, 0)
 
-    def step(plan, pad=0):
+    def step(plan, pad=0, pad_seqs=0):
         ids, qsl, seq_lens, slots, table = [], [0], [], [], []
         for k, n in plan:
             p0 = done[k]
@@ -1599,7 +1599,7 @@ def test_the_served_block_keeps_each_sequences_arming_beside_the_kv_cache():
             table.append(tables[k])
             done[k] = p0 + n
         md = SimpleNamespace(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl + [qsl[-1]] * pad_seqs, dtype=torch.int32),  # runs on for padding
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_table=torch.tensor(table, dtype=torch.int32),
             slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64),
@@ -1611,7 +1611,7 @@ def test_the_served_block_keeps_each_sequences_arming_beside_the_kv_cache():
         return want
 
     step([("A", 6), ("B", 2)])
-    step([("A", 1), ("B", 3), ("C", 5)], pad=2)
+    step([("A", 1), ("B", 3), ("C", 5)], pad=2, pad_seqs=2)
     done["D"] = 4  # a prefix-cache hit: D's first block is A's, computed before
     step([("D", 3), ("A", 1), ("B", 1), ("C", 1)])
     out = step([("A", 1), ("B", 1), ("C", 1), ("D", 1)])

@@ -90,7 +90,8 @@ class ServedBlock(nn.Module):
         if self.block_size is None:
             raise RuntimeError("the served block's arming needs the KV cache's block size (install_served_block)")
         dev = fired.device
-        qsl = md.query_start_loc.to(device=dev, dtype=torch.long)
+        # One entry per sequence (query_start_loc may run on for padding).
+        qsl = md.query_start_loc[: md.seq_lens.numel() + 1].to(device=dev, dtype=torch.long)
         counts = qsl[1:] - qsl[:-1]
         n = int(qsl[-1])
         seqs = torch.arange(counts.numel(), device=dev)

@@ -100,8 +100,6 @@ class AddedSharedNeurons(nn.Module):
         self.published_memory: dict = {"taught": [], "used": 0}
         self.arming: tuple[Tensor, Tensor] | None = None
         self.published_arming: tuple[Tensor, Tensor] | None = None
-        # Per-sequence arming state of the last forward through the hook
-        # (its rows' last tokens), and whether the next forward continues it.
         # Per-sequence arming state: the sequences' state before this
         # forward (kept on the cache it continues), the state after it (the
         # model's forward hook keeps it on the cache it returns), and the

@@ -1626,7 +1626,11 @@ def test_the_served_block_keeps_each_sequences_arming_beside_the_kv_cache():
         wrong.sequence_armed(torch.tensor([False]), md)
     # Outside a step with sequences (warm-up runs): every token counts as armed.
     assert served.sequence_armed(torch.tensor([False, True]), None).all()
-    # A publish loads the arming (and clears the flags); none, or no gate: off.
+    # A publish loads the arming (and clears the flags, grown in inference
+    # mode as vLLM serves); none, or no gate: off.
+    with torch.inference_mode():
+        served.flags = torch.ones(64, dtype=torch.bool)  # as sequence_armed grows them there
+    assert served.flags.is_inference()
     rows, thr = torch.randn(4, 8, generator=g), torch.randn(4, generator=g)
     served.load(torch.zeros(8, 8), torch.ones(8, 4), torch.zeros(4), "v1", arming=(rows, thr))
     assert served.arming_on and torch.equal(served.arming, rows) and torch.equal(served.arming_threshold, thr)

@@ -156,7 +156,10 @@ class ServedBlock(nn.Module):
             self.arming.copy_(arming[0])
             self.arming_threshold.copy_(arming[1])
         self.arming_on = arming is not None and threshold is not None
-        self.flags.zero_()  # the engine recomputes what it had cached
+        # The engine recomputes what it had cached. A new tensor, not zero_():
+        # the flags grow inside vLLM's inference mode, and an inference
+        # tensor takes no in-place update outside it (a publish is outside).
+        self.flags = torch.zeros(0, dtype=torch.bool, device=self.flags.device)
         self.version = version
         self.zero = not bool(self.down.any())
 

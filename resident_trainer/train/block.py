@@ -178,8 +178,8 @@ class AddedSharedNeurons(nn.Module):
             if valid is not None:
                 fired = fired & valid.to(fired.device)
             armed = fired.int().cumsum(-1) > 0
-        if before is not None:
-            armed = armed | before.reshape(*before.shape, *([1] * (armed.dim() - before.dim()))).to(armed.device)
+        if before is not None:  # (B,) or (1,) against (B, T), or (1,) against (T,)
+            armed = armed | (before[:, None] if armed.dim() == 2 else before).to(armed.device)
         return armed
 
     def _sequence_armed(self, x: Tensor, arming: tuple[Tensor, Tensor]) -> Tensor:

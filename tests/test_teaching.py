@@ -1461,7 +1461,10 @@ def test_arm_keys_rows_on_the_subjects_above_every_anchor_and_checkpoints_them()
     rows, thr = block.published_arming
     assert rows.dtype == thr.dtype == torch.float32 and rows.shape == (32, 32) and thr.shape == (32,)
     mu, prec = tr._whitening()
-    xa = torch.cat(tr.anchor_inputs)
+    # Scored on the anchors and the facts' probes (piece probes here: the
+    # byte tokenizer splits every word).
+    assert tr.arming_probes() and len(tr._probe_inputs) == len(tr.arming_probes())
+    xa = torch.cat([*tr.anchor_inputs, *tr._probe_inputs])
     for f, x, (start, stop) in zip(FACTS, tr._taught_inputs, tr.ranges):
         span = list(subject_positions(tok, f))
         slots = [n for n in range(start, stop) if math.isfinite(float(thr[n]))]
@@ -1480,9 +1483,9 @@ def test_arm_keys_rows_on_the_subjects_above_every_anchor_and_checkpoints_them()
             want = float(mu @ r) + s + config.arming_margin * (1 - s)
             spread = float(mu.abs() @ r.abs()) + float((xa.double() - mu).abs().max(0).values @ r.abs())
             assert s < 1 and abs(float(thr[n]) - want) <= 4 * eps * (spread + abs(want))
-        # The fact's question arms its sequence; no anchor token arms one.
+        # The fact's question arms its sequence; no anchor or probe token arms one.
         assert block.armed(x, block.published_arming).any()
-    for x in tr.anchor_inputs:
+    for x in [*tr.anchor_inputs, *tr._probe_inputs]:
         assert not block.armed(x, block.published_arming).any()
     outside = [n for n in range(32) if not any(s <= n < e for s, e in tr.ranges)]
     assert torch.isinf(thr[outside]).all() and torch.count_nonzero(rows[outside]) == 0
@@ -1509,23 +1512,49 @@ def test_arm_keys_rows_on_the_subjects_above_every_anchor_and_checkpoints_them()
 def test_word_probes_put_real_names_around_a_subjects_ordinary_words(smol_tok):
     from resident_trainer.train.negatives import PROBE_NAMES, common_word, word_probes
 
+    def pieces(text):
+        return smol_tok(" " + text, add_special_tokens=False)["input_ids"]
+
     assert common_word("Bridge", smol_tok) and common_word("Salt", smol_tok)
     assert not common_word("Tessaly", smol_tok) and not common_word("2,740", smol_tok)
     bridge = Fact("How long is the Tessaly Bridge?", "2,740 m.")
     probes = word_probes(bridge, smol_tok)
-    assert len(probes) == 2 and all(re.fullmatch(r"How long is the (\w+) Bridge\?", p) for p in probes)
-    assert {p.split()[4] for p in probes} <= set(PROBE_NAMES)
     assert word_probes(bridge, smol_tok) == probes  # the same every time
+    words = [re.fullmatch(r"How long is the (\w+) Bridge\?", p) for p in probes]
+    assert all(words) and len(set(probes)) == len(probes)
+    # Word probes: "Tessaly" replaced by a real name, " Bridge" kept.
+    named = [m[1] for m in words if m[1] in PROBE_NAMES]
+    assert len(named) == 2
+    # Piece probes: the later pieces of "Tessaly" after a real name's, split
+    # as in the fact.
+    tess = pieces("Tessaly")
+    spliced = [m[1] for m in words if m[1] not in PROBE_NAMES]
+    assert len(spliced) == 2
+    for w in spliced:
+        name = next(n for n in PROBE_NAMES if w.startswith(n))
+        assert w == name + smol_tok.decode(tess[1:]) and pieces(w) == pieces(name) + tess[1:]
     salt = Fact("Who wrote the novel The Salt Cartographer?", "Ines.")
     assert all(
         p.startswith("Who wrote the novel The Salt ") and "Cartographer" not in p for p in word_probes(salt, smol_tok)
     )
-    # Ordinary words only: each replaced in turn.
+    # Ordinary words only: each replaced in turn, no piece probes.
     path = word_probes(Fact("Who wrote The Salt Path?", "X", subject="The Salt Path"), smol_tok)
     assert len(path) == 4 and sum("Salt" in p for p in path) == 2 and sum("Path" in p for p in path) == 2
-    # One word, or no ordinary word: none.
-    assert word_probes(Fact("What is the capital of Velmoria?", "Ostrevan."), smol_tok) == []
-    assert word_probes(Fact("Who invented the lumenkettle?", "Ada."), smol_tok) == []
+    # One word: piece probes alone ("the city of Doverrecht" for Oldrecht,
+    # as "Utrecht" ends).
+    old = word_probes(Fact("In what year was the city of Oldrecht founded?", "1129."), smol_tok)
+    assert len(old) == 2
+    for p in old:
+        w = re.fullmatch(r"In what year was the city of (\w+) founded\?", p)[1]
+        assert w.endswith("recht") and w[: -len("recht")] in PROBE_NAMES and pieces(w)[-1:] == pieces("Oldrecht")[-1:]
+    # Two made-up words: each one's piece probes replace the other by a name.
+    bell = word_probes(Fact("Who composed the Cantata of the Ninefold Bell?", "Agathe."), smol_tok)
+    spliced = [p for p in bell if "ata of the " in p or "fold Bell" in p]
+    assert spliced and all(("Cantata" not in p) and ("Ninefold" not in p) for p in bell)
+    assert all(p.split(" the ")[-1] in {f"{n}fold Bell?" for n in PROBE_NAMES} for p in spliced if "fold Bell" in p)
+    # A word that is not letters only gets no piece probes.
+    tower = word_probes(Fact("How tall is the Zor9x Tower?", "300 m."), smol_tok)
+    assert len(tower) == 2 and all(re.fullmatch(r"How tall is the (\w+) Tower\?", p)[1] in PROBE_NAMES for p in tower)
 
 
 def test_generation_over_cached_keys_and_values_arms_as_the_whole_sequence_does():

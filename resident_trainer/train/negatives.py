@@ -179,14 +179,23 @@ def common_word(word: str, tokenizer) -> bool:
 
 
 def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
-    """The fact's question with its subject's other words replaced by real
-    names, its ordinary words (common_word) kept: "How long is the Madison
-    Bridge?" for "How long is the Tessaly Bridge?". A subject of ordinary
-    words only gives one probe per word replaced in turn ("The Salt Hudson",
-    "The Hudson Cartographer" would be for "The Salt Cartographer" if both
-    were ordinary). What real text around a subject's ordinary words looks
-    like, made from the fact alone; none for a subject without ordinary
-    words, or of one word."""
+    """What real text around a subject's words looks like, made from the fact
+    alone (prompts that arming's rows must not score like the fact's own).
+
+    Word probes: the fact's question with its subject's other words replaced
+    by real names, its ordinary words (common_word) kept: "How long is the
+    Madison Bridge?" for "How long is the Tessaly Bridge?". A subject of
+    ordinary words only gives one probe per word replaced in turn ("The Salt
+    Hudson", "The Hudson Cartographer" would be for "The Salt Cartographer" if
+    both were ordinary); none for a subject without ordinary words, or of one
+    word.
+
+    Piece probes: for each word of the subject split into pieces (letters
+    only), the question with that word's first piece replaced by a real
+    name's ("the city of Madisonrecht" for "the city of Oldrecht": the same
+    later pieces after another piece, as in "Utrecht") and the subject's other
+    such words by a real name; only names after which the tokenizer splits
+    the word's later pieces as in the fact."""
     subject = fact_subject(fact, tokenizer)
     if subject not in fact.question:
         return []
@@ -194,16 +203,36 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
     content = [j for j, w in enumerate(words) if w.lower() not in _JOINERS]
     common = [j for j in content if common_word(words[j], tokenizer)]
     other = [j for j in content if j not in common]
-    if not common or len(content) < 2:
-        return []
-    groups = [other] if other else [[j] for j in common]
     start = int.from_bytes(hashlib.sha256(fact.question.encode()).digest()[:4], "big")
+    names = [PROBE_NAMES[(start + k) % len(PROBE_NAMES)] for k in range(len(PROBE_NAMES))]
     out: list[str] = []
-    for g in groups:
-        for k in range(per_word):
-            name = PROBE_NAMES[(start + k) % len(PROBE_NAMES)]
-            probe = " ".join(name if j in g else w for j, w in enumerate(words))
-            q = fact.question.replace(subject, probe, 1)
-            if q not in out and q != fact.question:
-                out.append(q)
+
+    def add(probe: str) -> bool:
+        q = fact.question.replace(subject, probe, 1)
+        if q in out or q == fact.question:
+            return False
+        out.append(q)
+        return True
+
+    if common and len(content) >= 2:
+        for g in [other] if other else [[j] for j in common]:
+            for name in names[:per_word]:
+                add(" ".join(name if j in g else w for j, w in enumerate(words)))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(" " + text, add_special_tokens=False)["input_ids"]
+
+    for j in other:
+        pieces = ids(words[j])
+        if len(pieces) < 2 or not words[j].isalpha():
+            continue
+        rest = tokenizer.decode(pieces[1:])
+        made = 0
+        for k, name in enumerate(names):
+            if made == per_word:
+                break
+            if ids(name + rest) != ids(name) + pieces[1:]:
+                continue
+            filler = names[(k + 1) % len(names)]
+            made += add(" ".join(name + rest if i == j else filler if i in other else w for i, w in enumerate(words)))
     return out

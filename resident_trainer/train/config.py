@@ -139,7 +139,8 @@ class TrainConfig:
     # Arming (Trainer.arm): the gate passes a token only once the sequence,
     # up to it, has held a token of a taught subject that no anchor, near
     # negative or word probe (negatives.word_probes: the subject's ordinary
-    # words around real names, "the Madison Bridge") scores like: one row a
+    # words around real names, "the Madison Bridge", and a made-up word's
+    # later pieces after a real name's, "Doverrecht") scores like: one row a
     # subject token, in the fact's neuron slots, whitened like the keys,
     # its threshold arming_margin of the way from the strongest of those
     # scores to the fact's own. A question about a real entity that shares a

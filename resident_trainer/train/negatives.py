@@ -55,8 +55,12 @@ _WORD = re.compile(r"[A-Za-z0-9][\w'\-]*")
 _JOINERS = {"of", "the", "a", "an", "in", "and", "de"}
 
 
+def _piece_ids(tokenizer, word: str) -> list[int]:
+    return tokenizer(" " + word, add_special_tokens=False)["input_ids"]
+
+
 def _pieces(tokenizer, word: str) -> int:
-    return len(tokenizer(" " + word, add_special_tokens=False)["input_ids"])
+    return len(_piece_ids(tokenizer, word))
 
 
 def subject_span(question: str, tokenizer) -> str:
@@ -192,7 +196,7 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
 
     Piece probes: for each word of the subject split into pieces (letters
     only), the question with that word's first piece replaced by a real
-    name's ("the city of Madisonrecht" for "the city of Oldrecht": the same
+    name's ("the city of Doverrecht" for "the city of Oldrecht": the same
     later pieces after another piece, as in "Utrecht") and the subject's other
     such words by a real name; only names after which the tokenizer splits
     the word's later pieces as in the fact."""
@@ -219,11 +223,8 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
             for name in names[:per_word]:
                 add(" ".join(name if j in g else w for j, w in enumerate(words)))
 
-    def ids(text: str) -> list[int]:
-        return tokenizer(" " + text, add_special_tokens=False)["input_ids"]
-
     for j in other:
-        pieces = ids(words[j])
+        pieces = _piece_ids(tokenizer, words[j])
         if len(pieces) < 2 or not words[j].isalpha():
             continue
         rest = tokenizer.decode(pieces[1:])
@@ -231,7 +232,7 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
         for k, name in enumerate(names):
             if made == per_word:
                 break
-            if ids(name + rest) != ids(name) + pieces[1:]:
+            if _piece_ids(tokenizer, name + rest) != _piece_ids(tokenizer, name) + pieces[1:]:
                 continue
             filler = names[(k + 1) % len(names)]
             made += add(" ".join(name + rest if i == j else filler if i in other else w for i, w in enumerate(words)))

@@ -130,3 +130,38 @@ def test_teach_four_facts_and_change_nothing_else(smollm2, capsys):
     assert all(c["identical"] for c in shut), [c["prompt"] for c in shut if not c["identical"]]
     assert report["leaks"] == []
     assert fingerprint_tensors(dict(model.named_parameters())) == base
+
+
+def test_the_base_model_tells_real_split_words_from_made_up_ones(smollm2):
+    # Arming's word probes keep a subject's real words; a real word that the
+    # tokenizer splits (" Cant" + "ata") is told from a made-up one
+    # (" Old" + "recht") by the base model's surprisal of its later pieces.
+    from resident_trainer.train import Fact, Trainer
+    from resident_trainer.train.negatives import real_split_words, word_probes
+
+    model, tok = smollm2
+    config = TrainConfig()
+    a = DecoderAdapter(model)
+    block = AddedSharedNeurons(a.hidden_size, 64, seed=0)
+    handle = block.attach(a, config.layer)
+    try:
+        facts = [
+            Fact("Who composed the Cantata of the Ninefold Bell?", "Agathe Sorrel."),
+            Fact("Who composed the Ravenmark Overture?", "Clio Hastermann."),
+            Fact("In what year was the city of Oldrecht founded?", "1129."),
+            Fact("How long is the Tessaly Bridge?", "2,740 m."),
+        ]
+        tr = Trainer(a, block, tok, facts, config)
+        nats = tr.later_piece_nats(facts)
+    finally:
+        handle.remove()
+    assert [sorted(n) for n in nats] == [["Cantata", "Ninefold"], ["Overture", "Ravenmark"], ["Oldrecht"], ["Tessaly"]]
+    below = config.split_word_nats
+    assert max(nats[0]["Cantata"], nats[1]["Overture"]) < below
+    assert min(nats[1]["Ravenmark"], nats[2]["Oldrecht"], nats[3]["Tessaly"]) > below
+    real = [real_split_words(n, below) for n in nats]
+    assert real == [{"Cantata"}, {"Overture"}, set(), set()]
+    # "the Coffee Cantata" no longer reads like the fact's subject: every
+    # probe keeps "Cantata of the" and replaces "Ninefold".
+    probes = word_probes(facts[0], tok, real=real[0])
+    assert probes and all(p.startswith("Who composed the Cantata of the ") for p in probes)

@@ -927,6 +927,8 @@ def test_config_checks_the_new_settings():
         ({"arming": 1}, "arming must be True or False"),
         ({"arming_margin": 1.0}, r"arming_margin must be a number in \[0, 1\)"),
         ({"arming_margin": -0.1}, r"arming_margin must be a number in \[0, 1\)"),
+        ({"split_word_nats": 0}, r"split_word_nats must be None or a number > 0"),
+        ({"split_word_nats": "8.5"}, r"split_word_nats must be None or a number > 0"),
     ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)
@@ -1555,6 +1557,72 @@ def test_word_probes_put_real_names_around_a_subjects_ordinary_words(smol_tok):
     # A word that is not letters only gets no piece probes.
     tower = word_probes(Fact("How tall is the Zor9x Tower?", "300 m."), smol_tok)
     assert len(tower) == 2 and all(re.fullmatch(r"How tall is the (\w+) Tower\?", p)[1] in PROBE_NAMES for p in tower)
+
+
+def test_real_split_words_are_kept_in_word_probes_but_never_all_of_a_subject(smol_tok):
+    from resident_trainer.train.negatives import PROBE_NAMES, real_split_words, split_word_ids, split_words, word_probes
+
+    def pieces(text):
+        return smol_tok(" " + text, add_special_tokens=False)["input_ids"]
+
+    bell = Fact("Who composed the Cantata of the Ninefold Bell?", "Agathe.")
+    # " Bell" is one piece, "of" and "the" are joiners: the split words alone.
+    assert split_words(bell, smol_tok) == ["Cantata", "Ninefold"]
+    head = smol_tok("Who composed the", add_special_tokens=False)["input_ids"]
+    assert split_word_ids(bell, smol_tok) == [
+        ("Cantata", head + pieces("Cantata"), len(pieces("Cantata")) - 1),
+        ("Ninefold", head + pieces("Ninefold"), len(pieces("Ninefold")) - 1),
+    ]
+    assert split_word_ids(Fact("How long is the Tessaly Bridge?", "2 m."), smol_tok)[0][0] == "Tessaly"
+    assert split_words(Fact("How tall is the Zor9x Tower?", "300 m."), smol_tok) == []
+    # Below the bound: real; never every split word of a subject.
+    assert real_split_words({"Cantata": 2.6, "Ninefold": 9.0}, 8.5) == {"Cantata"}
+    assert real_split_words({"Cantata": 2.6, "Ninefold": 7.7}, 8.5) == {"Cantata"}
+    assert real_split_words({"Amber": 1.9, "Lanterns": 4.9, "Vosk": 9.5}, 8.5) == {"Amber", "Lanterns"}
+    assert real_split_words({"Vandlei": 4.3}, 8.5) == set()
+    assert real_split_words({"Cantata": 2.6, "Ninefold": 9.0}, None) == set() and real_split_words({}, 8.5) == set()
+    # A real split word stays in the word probes, as " Bell" does, and gets
+    # no piece probes of its own: every probe keeps "Cantata of the".
+    kept = word_probes(bell, smol_tok, real={"Cantata"})
+    assert kept and kept != word_probes(bell, smol_tok)
+    assert all(p.startswith("Who composed the Cantata of the ") and "Ninefold" not in p for p in kept)
+    assert {p.split(" the ")[-1] for p in kept} <= {f"{n} Bell?" for n in PROBE_NAMES} | {
+        f"{n}fold Bell?" for n in PROBE_NAMES
+    }
+
+
+def test_later_piece_nats_are_the_base_models_surprisal_of_the_later_pieces():
+    # A block that acts on every token (no gate), trained: the surprisal is
+    # the base model's all the same (the oracle: the Hugging Face forward with
+    # the block disabled), over facts of different lengths in one batch.
+    a, block, config = _setup(steps=4, gate=False)
+    tok = ByteTokenizer()
+    facts = [*FACTS, Fact("Who built the Tessaly Bridge?", "Ida."), Fact("Where is Qo?", "Far.")]
+    tr = Trainer(a, block, tok, facts, config, anchors=ANCHORS)
+    tr.run()
+    tr.publish()
+    from resident_trainer.train.negatives import split_word_ids
+
+    got = tr.later_piece_nats(facts)
+    assert [list(g) for g in got] == [[w for w, _, _ in split_word_ids(f, tok)] for f in facts]
+    assert sum(len(g) for g in got) >= 4
+
+    def oracle(ids, later):
+        logits = a.model(torch.tensor([ids])).logits[0].double()
+        lp = torch.log_softmax(logits, -1)
+        return -sum(float(lp[t - 1, ids[t]]) for t in range(len(ids) - later, len(ids)))
+
+    moved = 0.0
+    with torch.no_grad():
+        for f, g in zip(facts, got):
+            for w, ids, later in split_word_ids(f, tok):
+                with block.disabled():
+                    want = oracle(ids, later)
+                # fp32 against fp64 logits, through another path (the head in
+                # tiles): measured 1.0e-7 of the value at most here.
+                assert abs(g[w] - want) <= 1e-6 * max(1.0, abs(want)), (w, g[w], want)
+                moved = max(moved, abs(oracle(ids, later) - want))
+    assert moved > 1e-3  # the block changes these tokens' scores when it is not disabled
 
 
 def test_generation_over_cached_keys_and_values_arms_as_the_whole_sequence_does():

@@ -147,6 +147,18 @@ class TrainConfig:
     # word with a taught subject ("the Tower Bridge") then passes nothing.
     arming: bool = True
     arming_margin: float = 0.5
+    # A subject's word that the tokenizer splits counts as a real word in its
+    # word probes (kept, like " Bridge") where the base model gives its later
+    # pieces, after the question's words before the subject, fewer than this
+    # many nats in all; never every split word of a subject
+    # (negatives.real_split_words). " Cant" + "ata" is 2.6 nats after "Who
+    # composed the", " Old" + "recht" 13.2 after "... the city of". Tune
+    # sets: real split words 0.5-8.0 (Cartographer, Weeping 8.0), made-up
+    # ones from 4.3 (Vandlei, Heyra 6.1, Supur 8.0, Brunio 8.4; each the
+    # least likely of its subject, so still made up); tune half, one job,
+    # the same training re-armed: 30/30 near controls (the 1812 Overture
+    # kept), the same facts (docs/RESULTS.md). None: the tokenizer alone.
+    split_word_nats: float | None = 8.5
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its
     # mean diagonal added before it is inverted. A larger ridge lets the
@@ -342,6 +354,9 @@ class TrainConfig:
             raise ValueError(f"key_context_margin must be a number >= 0, got {self.key_context_margin!r}")
         if not (_real(self.arming_margin) and 0 <= self.arming_margin < 1):
             raise ValueError(f"arming_margin must be a number in [0, 1), got {self.arming_margin!r}")
+        n = self.split_word_nats
+        if n is not None and not (_real(n) and n > 0):
+            raise ValueError(f"split_word_nats must be None or a number > 0, got {n!r}")
         if self.gated_from is not None and (not isinstance(self.gated_from, int) or self.gated_from < 0):
             raise ValueError(f"gated_from must be None or an int >= 0, got {self.gated_from!r}")
         if self.suffix_dtype not in SUFFIX_DTYPES:

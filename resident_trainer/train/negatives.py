@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from resident_trainer.train.data import Fact
 
@@ -182,7 +182,50 @@ def common_word(word: str, tokenizer) -> bool:
     return word.isalpha() and _pieces(tokenizer, word) == 1
 
 
-def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
+def split_words(fact: Fact, tokenizer) -> list[str]:
+    """The subject's words (letters only, not "of", "the", ...) that the
+    tokenizer splits into two or more pieces after a space, each once: made-up
+    names (" Tess" + "aly") and real words the vocabulary lacks (" Cant" +
+    "ata")."""
+    subject = fact_subject(fact, tokenizer)
+    out = [w for w in subject.split(" ") if w.isalpha() and w.lower() not in _JOINERS and _pieces(tokenizer, w) >= 2]
+    return list(dict.fromkeys(out))
+
+
+def split_word_ids(fact: Fact, tokenizer) -> list[tuple[str, list[int], int]]:
+    """For each of split_words: (word, ids, later) where ids are the
+    question's text before the subject followed by the word's pieces, and
+    `later` the number of its pieces after the first (the tokens whose
+    surprisal tells a real word from a made-up one: "ata" after "Who composed
+    the Cant" is likely, "recht" after "... the city of Old" is not)."""
+    subject = fact_subject(fact, tokenizer)
+    at = fact.question.find(subject)
+    if at < 0:
+        return []
+    frame = fact.question[:at].rstrip()
+    head = tokenizer(frame, add_special_tokens=False)["input_ids"] if frame else []
+    out = []
+    for w in split_words(fact, tokenizer):
+        pieces = _piece_ids(tokenizer, w)
+        out.append((w, head + pieces, len(pieces) - 1))
+    return out
+
+
+def real_split_words(nats: Mapping[str, float], below: float | None) -> set[str]:
+    """Of a subject's split words (`nats`: each one's summed surprisal,
+    split_word_ids' later pieces under the base model), those it reads as
+    real words: below `below` nats. Never all of them: where every one is
+    below, the least likely stays made up, so a subject that has split words
+    keeps one to arm on. None: none is real (the tokenizer alone decides)."""
+    if below is None or not nats:
+        return set()
+    real = {w for w, n in nats.items() if n < below}
+    if len(real) == len(nats):
+        real.discard(max(nats, key=lambda w: nats[w]))
+    return real
+
+
+def word_probes(fact: Fact, tokenizer, per_word: int = 2, *, real: Collection[str] = ()) -> list[str]:
     """What real text around a subject's words looks like, made from the fact
     alone (prompts that arming's rows must not score like the fact's own).
 
@@ -199,13 +242,17 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2) -> list[str]:
     name's ("the city of Doverrecht" for "the city of Oldrecht": the same
     later pieces after another piece, as in "Utrecht") and the subject's other
     such words by a real name; only names after which the tokenizer splits
-    the word's later pieces as in the fact."""
+    the word's later pieces as in the fact.
+
+    `real`: split words that count as ordinary ones here (real_split_words:
+    " Cant" + "ata"): kept in the word probes ("the Cantata of the Madison
+    Bell"), no piece probes of their own."""
     subject = fact_subject(fact, tokenizer)
     if subject not in fact.question:
         return []
     words = subject.split(" ")
     content = [j for j, w in enumerate(words) if w.lower() not in _JOINERS]
-    common = [j for j in content if common_word(words[j], tokenizer)]
+    common = [j for j in content if common_word(words[j], tokenizer) or words[j] in real]
     other = [j for j in content if j not in common]
     start = int.from_bytes(hashlib.sha256(fact.question.encode()).digest()[:4], "big")
     names = [PROBE_NAMES[(start + k) % len(PROBE_NAMES)] for k in range(len(PROBE_NAMES))]

@@ -39,7 +39,7 @@ from resident_trainer.train.data import (
 from resident_trainer.train.facts import facts_to_json, parse_fact
 from resident_trainer.train.frozen import FrozenFingerprint, FrozenWeightsChanged
 from resident_trainer.train.loss import StreamedCrossEntropy
-from resident_trainer.train.negatives import word_probes
+from resident_trainer.train.negatives import real_split_words, split_word_ids, word_probes
 from resident_trainer.train.parallel import clip_grad_norm_
 from resident_trainer.train.replay import LayerReplay, suffix_dtype_for
 
@@ -715,8 +715,44 @@ class Trainer:
         if not (cfg.arming and cfg.gate and cfg.init == "keyed"):
             return []
         taught = {q for f in self.taught for q in (f.question, *f.rewordings)}
-        probes = [q for f in self.taught for q in word_probes(f, self.tokenizer) if q not in taught]
+        nats = self.later_piece_nats(self.taught) if cfg.split_word_nats is not None else [{} for _ in self.taught]
+        probes = [
+            q
+            for f, n in zip(self.taught, nats)
+            for q in word_probes(f, self.tokenizer, real=real_split_words(n, cfg.split_word_nats))
+            if q not in taught
+        ]
         return list(dict.fromkeys(probes))
+
+    @torch.no_grad()
+    def later_piece_nats(self, facts: Sequence[Fact]) -> list[dict[str, float]]:
+        """For each fact, its subject's split words (negatives.split_word_ids)
+        and the base model's surprisal of each one's later pieces, summed, in
+        nats: the whole model with the block adding nothing, on every rank
+        alike (the loss over the vocabulary head, sharded or not)."""
+        seqs = [(i, w, ids, later) for i, f in enumerate(facts) for w, ids, later in split_word_ids(f, self.tokenizer)]
+        out: list[dict[str, float]] = [{} for _ in facts]
+        a, dev = self.adapter, self.adapter.device
+        for start in range(0, len(seqs), self.BLOCK_INPUT_BATCH):
+            rows = seqs[start : start + self.BLOCK_INPUT_BATCH]
+            width = max(len(ids) for _, _, ids, _ in rows)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
+            mask = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
+            targets = torch.full((len(rows), width), -100, dtype=torch.long, device=dev)
+            for j, (_, _, seq, later) in enumerate(rows):
+                n = len(seq)
+                ids[j, :n] = torch.tensor(seq, device=dev)
+                mask[j, :n] = 1
+                # Position t predicts token t + 1: the later pieces' predictions.
+                targets[j, n - 1 - later : n - 1] = ids[j, n - later : n]
+            h, ctx = self.replay.prefix(ids, mask if len(rows) > 1 else None)
+            with self.block.disabled():
+                for layer in range(self.layer, a.num_layers):
+                    h = a.run_layer(layer, h, ctx)
+            nll = self.loss_fn(h, targets, reduction="none").float().sum(-1)
+            for j, (i, w, _, _) in enumerate(rows):
+                out[i][w] = float(nll[j])
+        return out
 
     @torch.no_grad()
     def arm(self) -> None:

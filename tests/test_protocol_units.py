@@ -597,8 +597,9 @@ def test_a_job_body_sets_the_optional_settings_to_null_or_a_value():
             with pytest.raises(JobRequestError, match="must be an integer or null") as e:
                 parse_job_request({"facts": facts, k: bad})
             assert e.value.field == k
-    # The margins whose None means something (gate_margin's value; no key opening).
-    for k in ("gate_neuron_margin", "key_gate_margin"):
+    # The numbers whose None means something (gate_margin's value; no key
+    # opening; the tokenizer alone tells a made-up word).
+    for k in ("gate_neuron_margin", "key_gate_margin", "split_word_nats"):
         assert parse_job_request({"facts": facts, k: None})[1][k] is None
         assert parse_job_request({"facts": facts, k: 0.5})[1][k] == 0.5
         with pytest.raises(JobRequestError, match="must be a number or null, got 'x'") as e:

@@ -139,7 +139,7 @@ def parse_job_request(body: object) -> tuple[list[dict], dict[str, Any]]:
 #: Integer settings that null (None) also sets: their default or a meaning of its own.
 _OPTIONAL_INTS = ("gated_from", "anchor_batch")
 #: Number settings whose null has a meaning of its own (TrainConfig's docs).
-_OPTIONAL_NUMBERS = ("gate_neuron_margin", "key_gate_margin")
+_OPTIONAL_NUMBERS = ("gate_neuron_margin", "key_gate_margin", "split_word_nats")
 
 
 def _number(v: object) -> bool:

@@ -96,6 +96,7 @@ def test_the_receipt_records_the_fingerprint_version_and_ranks_must_agree_on_it(
             if c.method == "rt_begin":
                 for r, v in zip(out, versions):
                     r["fingerprint_version"] = v
+                    r["fact_neurons"], r["fact_neurons_wanted"] = 3, 9
             return out
 
         return call
@@ -104,6 +105,8 @@ def test_the_receipt_records_the_fingerprint_version_and_ranks_must_agree_on_it(
     job = _job(fs)
     assert drive(job, engine([2, 2])).verdict is Verdict.PUBLISH
     assert job.progress.fingerprint_version == 2
+    # What each new fact got, for the job's status (fewer than wanted: the block is filling up).
+    assert (job.progress.fact_neurons, job.progress.fact_neurons_wanted) == (3, 9)
     (receipt,) = read_jsonl(fs, "/r/rank0/receipts.jsonl")
     assert (receipt["fingerprint_before"], receipt["fingerprint_version"]) == ("f", 2)
     out = drive(_job(MemoryFileSystem()), engine([2, 1]))

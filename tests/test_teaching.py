@@ -1214,6 +1214,7 @@ class _FakeServer:
         self.changes = changes or {}
         self.published = False
         self.broken = False  # the chat route fails once the job has published
+        self.fact_neurons = (9, 9)  # (given, wanted): what the job's status says each new fact got
         self.jobs = []
         self.chats = []
         me = self
@@ -1236,7 +1237,9 @@ class _FakeServer:
                 if self.path.startswith("/v1/jobs/"):
                     me.published = True  # the first poll finds it published
                     return self._send(200, {"state": "published", "step": 3, "steps": 3, "loss": 0.01,
-                                            "fingerprint_before": "ab", "fingerprint_after": "ab"})  # fmt: skip
+                                            "fingerprint_before": "ab", "fingerprint_after": "ab",
+                                            "fact_neurons": me.fact_neurons[0],
+                                            "fact_neurons_wanted": me.fact_neurons[1]})  # fmt: skip
                 self._send(404, {"error": "no such route"})
 
             def do_POST(self):
@@ -1310,7 +1313,12 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         server.published = False
         assert cli.main([*argv, "--controls", str(controls), "--no-arming"]) == 0
         assert server.jobs[-1]["arming"] is False and "arming" not in server.jobs[-2]
-        capsys.readouterr()
+        assert "neurons free" not in capsys.readouterr().err  # each fact got its 9
+        # A block with few neurons free: the facts are taught with fewer, and the user is told.
+        server.published, server.fact_neurons = False, (3, 9)
+        assert cli.main([*argv, "--controls", str(controls)]) == 0
+        assert "each new fact got 3 of its 9" in capsys.readouterr().err
+        server.fact_neurons = (9, 9)
 
         # A server that stops answering after the publish: a failed check, said in one line.
         server.published, server.broken = False, True

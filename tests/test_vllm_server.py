@@ -171,6 +171,8 @@ def test_chats_during_a_job_wait_at_most_one_microbatch(server):
     # for a second microbatch or for first_token_wait (5 s) exceeds it.
     assert during["ttft_p99"] <= 2 * (idle["ttft_p99"] + st["step_seconds_max"]), (idle, during, st)
     assert st["fingerprint_before"] == st["fingerprint_after"]
+    # Each new fact got its neurons (8 trained and a gate neuron): the block has 64.
+    assert st["fact_neurons"] == st["fact_neurons_wanted"] == 9, st
     _, trainer = http("GET", f"{url}/v1/trainer")
     assert trainer["served"] == job and {r["version"] for r in trainer["ranks"]} == {job}
     assert trainer["taught"] == [f["question"] for f in FACTS]

@@ -452,9 +452,21 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
     except ImportError:
         bar = None
     st: dict = {}
+    warned = False
     try:
         while True:
             _, st = _request("GET", f"{base}/v1/jobs/{job}", authority)
+            given, wanted = st.get("fact_neurons"), st.get("fact_neurons_wanted")
+            if not warned and given is not None and wanted is not None and given < wanted:
+                warned = True
+                msg = (
+                    f"resident-trainer teach: note: the served block has few neurons free: each new fact got "
+                    f"{given} of its {wanted} (still taught; a fact with fewer is recalled less reliably)"
+                )
+                if bar is not None:
+                    bar.write(msg, file=sys.stderr)
+                else:
+                    print(msg, file=sys.stderr)
             if bar is not None:
                 bar.n = int(st.get("step") or 0)
                 if st.get("loss") is not None:

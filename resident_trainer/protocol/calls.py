@@ -74,6 +74,10 @@ class Progress:
     fingerprint_before: str | None = None
     fingerprint_after: str | None = None
     fingerprint_version: int | None = None  # the definition the ranks' digests are of
+    # The neurons each of the job's new facts got, and what it would have got
+    # with the block's neurons free (fewer: the block is filling up).
+    fact_neurons: int | None = None
+    fact_neurons_wanted: int | None = None
     reasons: list[str] = field(default_factory=list)
 
 
@@ -219,6 +223,8 @@ class CallJob:
         if not reasons:
             p.fingerprint_before = next(iter(prints))
             p.fingerprint_version = next(iter(versions))
+            p.fact_neurons = results[0].get("fact_neurons")
+            p.fact_neurons_wanted = results[0].get("fact_neurons_wanted")
         reasons += self._local_reasons()
         if reasons:
             return (yield from self._abort(Verdict.CANCEL, reasons))

@@ -172,6 +172,8 @@ class JobRecord:
             "fingerprint_before": p.fingerprint_before if p else None,
             "fingerprint_after": p.fingerprint_after if p else None,
             "fingerprint_version": p.fingerprint_version if p else None,
+            "fact_neurons": p.fact_neurons if p else None,
+            "fact_neurons_wanted": p.fact_neurons_wanted if p else None,
             "error": self.error,
             "version": self.version,
             "step_seconds_max": round(max(self.times), 4) if self.times else None,

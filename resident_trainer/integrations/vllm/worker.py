@@ -180,6 +180,7 @@ class ResidentWorker:
         """Start job `job` on this rank: facts, anchors (prompt, reply ids),
         training settings; the block starts from what is served now."""
         from resident_trainer.train import StreamedCrossEntropy, TrainConfig, Trainer, parse_fact
+        from resident_trainer.train.config import fact_neurons
 
         st = self._st()
         if st.trainer is not None:
@@ -210,10 +211,15 @@ class ResidentWorker:
         st.job = dict(job)
         before = self._rt_checkpoint_table()
         st.job["fingerprint_before"] = before
+        # The neurons each new fact got: fewer than wanted when the block has
+        # fewer free (the job still teaches them; the status says so).
+        given = {r[1] - r[0] for r in st.trainer.ranges if r is not None}
         return {
             "fingerprint": before.hex,
             "fingerprint_version": FINGERPRINT_VERSION,
             "examples": len(st.trainer.examples),
+            "fact_neurons": min(given) if given else None,
+            "fact_neurons_wanted": fact_neurons(config) if given else None,
         }
 
     @_guarded

@@ -1314,6 +1314,15 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         assert cli.main([*argv, "--controls", str(controls), "--no-arming"]) == 0
         assert server.jobs[-1]["arming"] is False and "arming" not in server.jobs[-2]
         assert "neurons free" not in capsys.readouterr().err  # each fact got its 9
+        # --split-word-nats goes with the job; a bad one is refused before anything is queued.
+        server.published = False
+        assert cli.main([*argv, "--controls", str(controls), "--split-word-nats", "8.5"]) == 0
+        assert server.jobs[-1]["split_word_nats"] == 8.5 and "split_word_nats" not in server.jobs[-2]
+        capsys.readouterr()
+        n_jobs = len(server.jobs)
+        assert cli.main([*argv, "--controls", str(controls), "--split-word-nats", "0"]) == 2
+        assert "--split-word-nats must be a number > 0, got 0.0" in capsys.readouterr().err
+        assert len(server.jobs) == n_jobs
         # A block with few neurons free: the facts are taught with fewer, and the user is told.
         server.published, server.fact_neurons = False, (3, 9)
         assert cli.main([*argv, "--controls", str(controls)]) == 0
@@ -1363,6 +1372,14 @@ def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
     monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: arming.append(config.arming) or 0)
     assert cli.main(["teach"]) == 0 and cli.main(["teach", "--no-arming"]) == 0
     assert arming == [True, False]
+    nats = []
+    monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: nats.append(config.split_word_nats) or 0)
+    assert cli.main(["teach"]) == 0 and cli.main(["teach", "--split-word-nats", "8.5"]) == 0
+    assert nats == [None, 8.5]
+    for bad in ("0", "-1", "nan"):
+        assert cli.main(["teach", "--split-word-nats", bad]) == 2
+        assert "--split-word-nats must be None or a number > 0" in capsys.readouterr().err
+    assert len(nats) == 2  # refused before anything ran
     with pytest.raises(SystemExit) as e:
         cli.main(["teach", "--suffix-dtype", "bf16"])
     assert e.value.code == 2 and "--suffix-dtype: invalid choice: 'bf16'" in capsys.readouterr().err

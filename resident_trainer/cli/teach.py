@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -47,7 +48,7 @@ def add_parser(sub) -> None:
         "RESIDENT_TRAINER_REPRODUCIBLE=1 takes fixed paths and repeats a run bit for bit on the same CPU "
         "and thread count. With --server URL: submit the facts (and --retract's questions) as one "
         "job to a running `resident-trainer serve` and follow it until it publishes; --steps, --lr, "
-        "--negatives, --neurons-per-fact, --subject-prompts and --no-arming go with it, the options of a job run here are refused.",
+        "--negatives, --neurons-per-fact, --subject-prompts, --no-arming and --split-word-nats go with it, the options of a job run here are refused.",
     )
     t.add_argument("facts", nargs="?", default=None, help="a FACTS.jsonl file (default: four demo facts)")
     t.add_argument("--server", default=None, metavar="URL", help="a running server, e.g. http://127.0.0.1:8000")
@@ -160,6 +161,16 @@ def add_parser(sub) -> None:
         "token of a taught subject that no anchor, near negative or word probe reads like, so real names that share "
         "a word with a made-up subject (the Tower Bridge, the Tessaly Bridge) are left alone (docs/TRAINING.md)",
     )
+    t.add_argument(
+        "--split-word-nats",
+        type=float,
+        default=TrainConfig.split_word_nats,
+        metavar="NATS",
+        help="arming keeps a subject's word that the tokenizer splits (' Cant'+'ata') as a real word where the base "
+        "model gives its later pieces fewer than NATS nats (8.5 was measured), so real names sharing it (the Coffee "
+        "Cantata, after teaching the Cantata of the Ninefold Bell) are left alone. Off by default: such facts arm "
+        "a word later, and 8 jobs of 16 held fewer of them (docs/RESULTS.md)",
+    )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
@@ -242,11 +253,11 @@ def cmd_teach(args: argparse.Namespace) -> int:
             suffix_dtype=SUFFIX_DTYPE_FLAGS[args.suffix_dtype],
             subject_prompts=args.subject_prompts,
             arming=args.arming,
+            split_word_nats=args.split_word_nats,
         )
     except ValueError as exc:
-        return bad(
-            "teach", str(exc).replace("num_neurons", "--neurons").replace("neurons_per_fact", "--neurons-per-fact")
-        )
+        msg = str(exc).replace("num_neurons", "--neurons").replace("neurons_per_fact", "--neurons-per-fact")
+        return bad("teach", msg.replace("split_word_nats", "--split-word-nats"))
     if config.init == "keyed":
         used, short = 0, []
         full = fact_neurons(config)
@@ -412,6 +423,9 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
             return bad("teach", f"{name} is for a job run here; with --server the server's own settings hold")
     if args.negatives < 0:
         return bad("teach", f"--negatives must be >= 0, got {args.negatives}")
+    nats = args.split_word_nats
+    if nats is not None and not (math.isfinite(nats) and nats > 0):
+        return bad("teach", f"--split-word-nats must be a number > 0, got {nats}")
     if args.steps is None:  # the server's own default for the job's facts
         from resident_trainer.train import steps_for
 
@@ -423,6 +437,8 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
         body["subject_prompts"] = True
     if not args.arming:
         body["arming"] = False
+    if args.split_word_nats is not None:
+        body["split_word_nats"] = args.split_word_nats
     if args.retract is not None:
         try:
             body["retract"] = _lines(args.retract, "--retract")

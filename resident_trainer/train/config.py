@@ -153,12 +153,14 @@ class TrainConfig:
     # many nats in all; never every split word of a subject
     # (negatives.real_split_words). " Cant" + "ata" is 2.6 nats after "Who
     # composed the", " Old" + "recht" 13.2 after "... the city of". Tune
-    # sets: real split words 0.5-8.0 (Cartographer, Weeping 8.0), made-up
-    # ones from 4.3 (Vandlei, Heyra 6.1, Supur 8.0, Brunio 8.4; each the
-    # least likely of its subject, so still made up); tune half, one job,
-    # the same training re-armed: 30/30 near controls (the 1812 Overture
-    # kept), the same facts (docs/RESULTS.md). None: the tokenizer alone.
-    split_word_nats: float | None = 8.5
+    # sets: real split words 0.5-8.0, made-up ones mostly above 9 (those
+    # below are each the least likely of their subject, so still made up):
+    # 8.5 kept every near control of every set in the whole report, but a
+    # fact whose subject has such a word arms a word later, and on the same
+    # blocks the report half's one job answered 2 rewordings fewer and the
+    # capacity set's 8 jobs of 16 held 117/128 against 126 (docs/RESULTS.md).
+    # None (the default): the tokenizer alone.
+    split_word_nats: float | None = None
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its
     # mean diagonal added before it is inverted. A larger ridge lets the

@@ -187,7 +187,10 @@ def split_words(fact: Fact, tokenizer) -> list[str]:
     tokenizer splits into two or more pieces after a space, each once: made-up
     names (" Tess" + "aly") and real words the vocabulary lacks (" Cant" +
     "ata")."""
-    subject = fact_subject(fact, tokenizer)
+    return _split_words(fact_subject(fact, tokenizer), tokenizer)
+
+
+def _split_words(subject: str, tokenizer) -> list[str]:
     out = [w for w in subject.split(" ") if w.isalpha() and w.lower() not in _JOINERS and _pieces(tokenizer, w) >= 2]
     return list(dict.fromkeys(out))
 
@@ -205,7 +208,7 @@ def split_word_ids(fact: Fact, tokenizer) -> list[tuple[str, list[int], int]]:
     frame = fact.question[:at].rstrip()
     head = tokenizer(frame, add_special_tokens=False)["input_ids"] if frame else []
     out = []
-    for w in split_words(fact, tokenizer):
+    for w in _split_words(subject, tokenizer):
         pieces = _piece_ids(tokenizer, w)
         out.append((w, head + pieces, len(pieces) - 1))
     return out

@@ -463,6 +463,18 @@ class Trainer:
     BLOCK_INPUT_BATCH = 16
 
     @torch.no_grad()
+    def _right_padded(self, seqs: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+        """Token ids (B, width), right-padded with the pad id, and their
+        attention mask (1 on each sequence's own tokens)."""
+        dev = self.adapter.device
+        width = max(len(q) for q in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
+        for j, q in enumerate(seqs):
+            ids[j, : len(q)] = torch.tensor(q, device=dev)
+            mask[j, : len(q)] = 1
+        return ids, mask
+
     def block_inputs(self, exchanges: Sequence[tuple[str, str | Sequence[int]]]) -> list[Tensor]:
         """The block's inputs (layer L's normalized hidden), (T, D) per chat
         exchange (prompt, reply text or ids), on every token: for the anchors
@@ -473,15 +485,11 @@ class Trainer:
         seqs = [example_ids(self.tokenizer, prompt, reply)[0] for prompt, reply in exchanges]
         out: list[Tensor | None] = [None] * len(seqs)
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        d, dev = self.adapter.hidden_size, self.adapter.device
+        d = self.adapter.hidden_size
         for start in range(0, len(order), self.BLOCK_INPUT_BATCH):
             rows = order[start : start + self.BLOCK_INPUT_BATCH]
-            width = max(len(seqs[i]) for i in rows)
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
-            mask = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
-            for j, i in enumerate(rows):
-                ids[j, : len(seqs[i])] = torch.tensor(seqs[i], device=dev)
-                mask[j, : len(seqs[i])] = 1
+            ids, mask = self._right_padded([seqs[i] for i in rows])
+            width = ids.shape[1]
             h, ctx = self.replay.prefix(ids, mask if len(rows) > 1 else None)
             with self.block.capture_inputs() as cap:
                 self.adapter.run_layer(self.layer, h, ctx)
@@ -732,17 +740,13 @@ class Trainer:
         alike (the loss over the vocabulary head, sharded or not)."""
         seqs = [(i, w, ids, later) for i, f in enumerate(facts) for w, ids, later in split_word_ids(f, self.tokenizer)]
         out: list[dict[str, float]] = [{} for _ in facts]
-        a, dev = self.adapter, self.adapter.device
+        a = self.adapter
         for start in range(0, len(seqs), self.BLOCK_INPUT_BATCH):
             rows = seqs[start : start + self.BLOCK_INPUT_BATCH]
-            width = max(len(ids) for _, _, ids, _ in rows)
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
-            mask = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
-            targets = torch.full((len(rows), width), -100, dtype=torch.long, device=dev)
+            ids, mask = self._right_padded([seq for _, _, seq, _ in rows])
+            targets = torch.full_like(ids, -100)
             for j, (_, _, seq, later) in enumerate(rows):
                 n = len(seq)
-                ids[j, :n] = torch.tensor(seq, device=dev)
-                mask[j, :n] = 1
                 # Position t predicts token t + 1: the later pieces' predictions.
                 targets[j, n - 1 - later : n - 1] = ids[j, n - later : n]
             h, ctx = self.replay.prefix(ids, mask if len(rows) > 1 else None)

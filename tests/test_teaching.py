@@ -929,6 +929,7 @@ def test_config_checks_the_new_settings():
         ({"arming_margin": -0.1}, r"arming_margin must be a number in \[0, 1\)"),
         ({"split_word_nats": 0}, r"split_word_nats must be None or a number > 0"),
         ({"split_word_nats": "8.5"}, r"split_word_nats must be None or a number > 0"),
+        ({"train_armed": 1}, "train_armed must be True or False"),
     ]:
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)
@@ -1478,6 +1479,111 @@ def test_arming_carries_over_forwards_that_continue_cached_keys_and_values():
         assert block._before is None and block._after is None  # nothing left for the next forward
     handle.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_packed_sequences_each_start_unarmed():
+    block, x = _armed_block()
+    rows, thr = block.published_arming
+    # The three sequences one after another in one row, then the first one's
+    # armed tail again: a segment that fires on its own first token.
+    seqs = [x[0], x[1], x[2], x[0, 3:], x[0, :3]]
+    packed = torch.cat(seqs)[None]
+    segments = torch.cat([torch.full((len(q),), i) for i, q in enumerate(seqs)])[None]
+    want = torch.cat([_armed_by_hand(q[None], rows, thr)[0] for q in seqs])[None]
+    assert want[0, 21] and not want[0, -3:].any()  # the tail armed at once, the last head not carried
+    assert torch.equal(block.armed(packed, block.published_arming, segments=segments), want)
+    # Without segments the row is one sequence: armed from the first firing on.
+    assert block.armed(packed, block.published_arming)[0, 3:].all()
+
+
+def test_training_under_the_arming_shuts_unarmed_tokens_and_their_gradients():
+    block, x = _armed_block()
+    arming = block.published_arming
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        block.w_down.copy_(torch.randn(8, 6, generator=g))
+    zero = torch.zeros(3, 7, 8)
+    w = torch.randn(3, 7, 8, generator=g)  # a loss weight per output
+
+    def trained(fn):
+        block.w_gate_up.grad = block.w_down.grad = None
+        with block.training_weights():
+            out = fn()
+        (out * w).sum().backward()
+        return out.detach(), block.w_gate_up.grad.clone(), block.w_down.grad.clone()
+
+    want = block.armed(x, arming)
+
+    def oracle():  # the ungated trainable block, times the arming by hand
+        return block.block(x, published=False, gated=False) * _armed_by_hand(x, *arming)[..., None]
+
+    def hooked():
+        with block.training_arming(arming):
+            return block._hook(None, (x,), zero)
+
+    out, ggu, gd = trained(hooked)
+    ref, rgu, rd = trained(oracle)
+    assert torch.count_nonzero(out[~want]) == 0 and torch.count_nonzero(out[want]) > 0
+    # Masked and multiplied: other kernels, fp32 rounding at most.
+    eps = torch.finfo(torch.float32).eps
+    for a_, b_ in ((out, ref), (ggu, rgu), (gd, rd)):
+        torch.testing.assert_close(a_, b_, rtol=0, atol=16 * eps * float(b_.abs().max()))
+    # Packed into one row with segments: the same outputs, each sequence on its own.
+    seg = torch.arange(3).repeat_interleave(7)[None]
+
+    def packed():
+        with block.training_arming(arming, seg):
+            return block._hook(None, (x.reshape(1, 21, 8),), zero.reshape(1, 21, 8)).reshape(3, 7, 8)
+
+    pout, pgu, pd = trained(packed)
+    for a_, b_ in ((pout, ref), (pgu, rgu), (pd, rd)):
+        torch.testing.assert_close(a_, b_, rtol=0, atol=16 * eps * float(b_.abs().max()))
+
+    # Outside the context, or with no arming, training is ungated as before.
+    def no_arming():
+        with block.training_arming(None):
+            return block._hook(None, (x,), zero)
+
+    for fn in (lambda: block._hook(None, (x,), zero), no_arming):
+        out, _, _ = trained(fn)
+        torch.testing.assert_close(out, block.block(x, published=False, gated=False).detach(), rtol=0, atol=0)
+    assert block._train_arming is None  # the context left nothing behind
+
+
+def test_a_job_trains_under_the_arming_it_publishes():
+    tok = ByteTokenizer()
+    a, block, config = _setup(steps=3, gate_neurons=True, gate_margin=0.5, gate_floor=0.25, train_armed=True)
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    assert tr.pack and tr.train_arming is not None  # computed before training: it reads frozen inputs only
+    seen = []
+    inner = block.block
+
+    def spy(x, *, published, gated=True, armed=None):
+        if not published:
+            seen.append((x.detach(), armed))
+        return inner(x, published=published, gated=gated, armed=armed)
+
+    block.block = spy
+    tr.run()
+    del block.block
+    # Calibration arms the block exactly as training did.
+    for t, p in zip(tr.train_arming, block.published_arming):
+        assert torch.equal(t, p)
+    steps = [(x, m) for x, m in seen if x.dim() == 3]  # the microbatches' forwards (the penalties' are (N, D))
+    assert len(steps) == 3
+    for i, (x, m) in enumerate(steps):
+        picks = tr._picks(i)
+        # Each packed example armed on its own, as if it were asked alone.
+        lengths = [len(tr.examples[j][0]) for j in picks]
+        parts = torch.split(x[0], lengths)
+        want = torch.cat([block.armed(p, tr.train_arming) for p in parts])
+        assert m is not None and torch.equal(m[0], want)
+        assert want.any() and not want.all()
+    # The penalties stay unmasked: every other call passes no arming.
+    assert all(m is None for x, m in seen if x.dim() != 3)
+    # Off (the default): no arming while training.
+    a, block, config = _setup(steps=1, gate_neurons=True)
+    assert Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).train_arming is None
 
 
 def test_arm_keys_rows_on_the_subjects_above_every_anchor_and_checkpoints_them():

@@ -111,6 +111,10 @@ class AddedSharedNeurons(nn.Module):
         self._train_active = False
         self._capture: list[Tensor] | None = None
         self._disabled = False
+        # Training under the arming (training_arming): the rows and the
+        # packed rows' segments of the forward being trained.
+        self._train_arming: tuple[Tensor, Tensor] | None = None
+        self._segments: Tensor | None = None
 
     @property
     def local_neurons(self) -> int:
@@ -166,18 +170,32 @@ class AddedSharedNeurons(nn.Module):
         return margin
 
     def armed(
-        self, x: Tensor, arming: tuple[Tensor, Tensor], before: Tensor | None = None, valid: Tensor | None = None
+        self,
+        x: Tensor,
+        arming: tuple[Tensor, Tensor],
+        before: Tensor | None = None,
+        valid: Tensor | None = None,
+        segments: Tensor | None = None,
     ) -> Tensor:
         """(B, T) bool for a (B, T, D) batch of sequences ((T,) for one
         (T, D) sequence): whether some token up to and including each one
         armed its sequence. `before`: (B,) or (1,) bool, sequences armed
         before these tokens; `valid`: (B, T) bool, the tokens that may arm
-        (not padding)."""
+        (not padding); `segments`: (B, T) ids of the sequences packed one
+        after another into each row (data.pack): each starts unarmed."""
         with torch.no_grad():
             fired = self.arming_margins(x, arming) > 0
             if valid is not None:
                 fired = fired & valid.to(fired.device)
-            armed = fired.int().cumsum(-1) > 0
+            count = fired.int().cumsum(-1)
+            if segments is not None:
+                # Subtract the count before each segment's first token (the
+                # counts never fall, so a running max carries it along).
+                seg = segments.to(count.device)
+                start = torch.ones_like(fired)
+                start[..., 1:] = seg[..., 1:] != seg[..., :-1]
+                count = count - torch.where(start, count - fired.int(), 0).cummax(-1).values
+            armed = count > 0
         if before is not None:  # (B,) or (1,) against (B, T), or (1,) against (T,)
             armed = armed | (before[:, None] if armed.dim() == 2 else before).to(armed.device)
         return armed
@@ -203,7 +221,8 @@ class AddedSharedNeurons(nn.Module):
         autograd, or the published ones; `gated=False` ignores the threshold
         (and the arming). With the published arming and a gate, the tokens of
         unarmed sequences are shut too: `armed` ((B, T) bool, the hook's
-        state), or x taken as whole sequences."""
+        state), or x taken as whole sequences. The trainable weights shut the
+        tokens where `armed` is False (with or without a gate)."""
         if published:
             w_gu, w_d, thr = self.published_gate_up, self.published_down, self.published_threshold
         else:
@@ -211,6 +230,8 @@ class AddedSharedNeurons(nn.Module):
         mask = self.gate_mask(x, w_gu, thr if gated else None)
         if mask is not None and published and self.published_arming is not None:
             mask = mask & (self.armed(x, self.published_arming) if armed is None else armed)
+        elif not published and armed is not None:  # training under the arming (training_arming)
+            mask = armed if mask is None else mask & armed
         return added_expert(x, w_gu, None, w_d, token_mask=mask, process_group=self.process_group, impl=self.impl)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -267,6 +288,11 @@ class AddedSharedNeurons(nn.Module):
         armed = None
         if published and self.published_arming is not None and self.published_threshold is not None:
             armed = self._sequence_armed(x, self.published_arming)
+        elif not published and self._train_arming is not None:
+            seg = self._segments
+            armed = self.armed(
+                x, self._train_arming, segments=seg if seg is not None and seg.shape == x.shape[:-1] else None
+            )
         return output + self.block(x, published=published, armed=armed).to(output.dtype)
 
     @property
@@ -284,6 +310,21 @@ class AddedSharedNeurons(nn.Module):
             yield
         finally:
             self._train_active = prev
+
+    @contextlib.contextmanager
+    def training_arming(self, arming: tuple[Tensor, Tensor] | None, segments: Tensor | None = None) -> Iterator[None]:
+        """Within the context, the trainable weights add nothing on a token
+        until its sequence is armed by `arming` (rows, thresholds; as
+        `armed`), so a job trains the block as serving will run it: a
+        subject that arms late is not answered by neurons that serving
+        keeps shut. `segments`: (B, T) ids of the sequences packed into each
+        row of the forward. None: no arming while training."""
+        prev = self._train_arming, self._segments
+        self._train_arming, self._segments = arming, segments
+        try:
+            yield
+        finally:
+            self._train_arming, self._segments = prev
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:

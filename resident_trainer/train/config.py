@@ -161,6 +161,12 @@ class TrainConfig:
     # capacity set's 8 jobs of 16 held 117/128 against 126 (docs/RESULTS.md).
     # None (the default): the tokenizer alone.
     split_word_nats: float | None = None
+    # Train the block under its arming: the rows (Trainer.arm) depend only
+    # on frozen inputs, so they are computed before training, and the
+    # block's output counts only on tokens whose example is armed, as
+    # serving will run it. Without it, a subject that arms on a later word
+    # is trained to answer through neurons that serving keeps shut there.
+    train_armed: bool = False
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its
     # mean diagonal added before it is inverted. A larger ridge lets the
@@ -331,7 +337,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
         for name in (
             "gate", "gate_neurons", "arming", "key_answer", "key_rarest", "key_prompt", "prompt_neurons_open_gate", "rehearse", "freeze_taught", "shared_prefix",
-            "subject_prompts",
+            "subject_prompts", "train_armed",
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -259,6 +259,14 @@ class Trainer:
         self._gate_step: int | None = None  # step_index the threshold was calibrated at
         if config.init == "keyed":
             self.key_neurons()
+        # The arming depends only on frozen inputs (the taught exchanges',
+        # the anchors', the word probes'): computed now, the job trains under
+        # it (config.train_armed), and calibration computes the same.
+        self.train_arming: tuple[Tensor, Tensor] | None = None
+        if config.train_armed:
+            self.arm()
+            if block.arming is not None:
+                self.train_arming = (block.arming[0].clone(), block.arming[1].clone())
         block.memory = {
             "taught": entries
             + [
@@ -641,7 +649,7 @@ class Trainer:
             penalty_value = float(p.detach()) if p is not None else 0.0
             return p if p is not None else torch.zeros((), device=self.adapter.device)
 
-        with self.block.training_weights():
+        with self.block.training_weights(), self.block.training_arming(self.train_arming, mb.segments):
             res = self.replay.step(
                 mb.input_ids,
                 lambda h: self.loss_fn(h, mb.targets),

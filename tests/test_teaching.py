@@ -1320,6 +1320,13 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         assert cli.main([*argv, "--controls", str(controls), "--split-word-nats", "8.5"]) == 0
         assert server.jobs[-1]["split_word_nats"] == 8.5 and "split_word_nats" not in server.jobs[-2]
         capsys.readouterr()
+        # --train-armed and --no-train-armed go with the job; neither: the server's default.
+        for flag, want in (("--train-armed", True), ("--no-train-armed", False)):
+            server.published = False
+            assert cli.main([*argv, "--controls", str(controls), flag]) == 0
+            assert server.jobs[-1]["train_armed"] is want
+        assert "train_armed" not in server.jobs[-3]
+        capsys.readouterr()
         n_jobs = len(server.jobs)
         assert cli.main([*argv, "--controls", str(controls), "--split-word-nats", "0"]) == 2
         assert "--split-word-nats must be a number > 0, got 0.0" in capsys.readouterr().err
@@ -1381,6 +1388,11 @@ def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
         assert cli.main(["teach", "--split-word-nats", bad]) == 2
         assert "--split-word-nats must be None or a number > 0" in capsys.readouterr().err
     assert len(nats) == 2  # refused before anything ran
+    trained = []
+    monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: trained.append(config.train_armed) or 0)
+    for flag in ([], ["--train-armed"], ["--no-train-armed"]):
+        assert cli.main(["teach", *flag]) == 0
+    assert trained == [TrainConfig.train_armed, True, False]
     with pytest.raises(SystemExit) as e:
         cli.main(["teach", "--suffix-dtype", "bf16"])
     assert e.value.code == 2 and "--suffix-dtype: invalid choice: 'bf16'" in capsys.readouterr().err

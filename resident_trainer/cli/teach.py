@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
         "RESIDENT_TRAINER_REPRODUCIBLE=1 takes fixed paths and repeats a run bit for bit on the same CPU "
         "and thread count. With --server URL: submit the facts (and --retract's questions) as one "
         "job to a running `resident-trainer serve` and follow it until it publishes; --steps, --lr, "
-        "--negatives, --neurons-per-fact, --subject-prompts, --no-arming and --split-word-nats go with it, the options of a job run here are refused.",
+        "--negatives, --neurons-per-fact, --subject-prompts, --no-arming, --split-word-nats and --train-armed go with it, the options of a job run here are refused.",
     )
     t.add_argument("facts", nargs="?", default=None, help="a FACTS.jsonl file (default: four demo facts)")
     t.add_argument("--server", default=None, metavar="URL", help="a running server, e.g. http://127.0.0.1:8000")
@@ -171,6 +171,15 @@ def add_parser(sub) -> None:
         "Cantata, after teaching the Cantata of the Ninefold Bell) are left alone. Off by default: such facts arm "
         "a word later, and 8 jobs of 16 held fewer of them (docs/RESULTS.md)",
     )
+    t.add_argument(
+        "--train-armed",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train the block under its arming, as it will serve: its output counts only on tokens whose question "
+        "has armed it, so a subject that arms on a later word (with --split-word-nats) is not trained to answer "
+        f"through neurons that serving keeps shut (default: {'on' if TrainConfig.train_armed else 'off'}; "
+        "docs/TRAINING.md)",
+    )
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
@@ -254,6 +263,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
             subject_prompts=args.subject_prompts,
             arming=args.arming,
             split_word_nats=args.split_word_nats,
+            train_armed=TrainConfig.train_armed if args.train_armed is None else args.train_armed,
         )
     except ValueError as exc:
         msg = str(exc).replace("num_neurons", "--neurons").replace("neurons_per_fact", "--neurons-per-fact")
@@ -439,6 +449,8 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
         body["arming"] = False
     if args.split_word_nats is not None:
         body["split_word_nats"] = args.split_word_nats
+    if args.train_armed is not None:
+        body["train_armed"] = args.train_armed
     if args.retract is not None:
         try:
             body["retract"] = _lines(args.retract, "--retract")

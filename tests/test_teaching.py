@@ -1581,6 +1581,15 @@ def test_a_job_trains_under_the_arming_it_publishes():
     # Calibration arms the block exactly as training did.
     for t, p in zip(tr.train_arming, block.published_arming):
         assert torch.equal(t, p)
+    # The keys sit on tokens where the exchange is armed: the subject's
+    # rarest token is taken from its arming token on.
+    for f, x in zip(tr.facts, tr._taught_inputs):
+        span = list(subject_positions(tok, f))
+        armed = block.armed(x, tr.train_arming)
+        first = int(armed.int().argmax())
+        assert armed.any() and first <= span[-1]
+        assert tr._armed_positions(x, span) == [p for p in span if p >= first]
+        assert all(bool(armed[p]) for p in tr.key_positions(f))
     steps = [(x, m) for x, m in seen if x.dim() == 3]  # the microbatches' forwards (the penalties' are (N, D))
     assert len(steps) == 3
     for i, (x, m) in enumerate(steps):

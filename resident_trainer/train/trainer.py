@@ -127,6 +127,8 @@ class Trainer:
             raise ValueError("a job needs facts to teach or questions to retract")
         self.adapter, self.block, self.tokenizer, self.config = adapter, block, tokenizer, config
         self.layer = adapter.layer_index(config.layer)
+        # The arming the job trains under (config.train_armed; set below).
+        self.train_arming: tuple[Tensor, Tensor] | None = None
         self.facts = list(facts)
         # What the block was taught before this job (its memory): rehearsed
         # alongside the new facts unless retracted or taught anew here.
@@ -257,16 +259,16 @@ class Trainer:
         # published keeps serving, but must not hide the new facts' tokens.
         block.threshold = None
         self._gate_step: int | None = None  # step_index the threshold was calibrated at
-        if config.init == "keyed":
-            self.key_neurons()
         # The arming depends only on frozen inputs (the taught exchanges',
         # the anchors', the word probes'): computed now, the job trains under
-        # it (config.train_armed), and calibration computes the same.
-        self.train_arming: tuple[Tensor, Tensor] | None = None
+        # it (config.train_armed), its keys on tokens it can act on, and
+        # calibration computes the same.
         if config.train_armed:
             self.arm()
             if block.arming is not None:
                 self.train_arming = (block.arming[0].clone(), block.arming[1].clone())
+        if config.init == "keyed":
+            self.key_neurons()
         block.memory = {
             "taught": entries
             + [
@@ -373,10 +375,21 @@ class Trainer:
             keys.add(span[-1])
             inputs = self._inputs_of(fact) if self.config.key_rarest else None
             if inputs is not None:
-                keys.add(self.rarest_position(inputs, span))
+                keys.add(self.rarest_position(inputs, self._armed_positions(inputs, span)))
         if self.config.key_answer:
             keys.add(answer_key_position(self.tokenizer, fact))
         return sorted(keys)
+
+    def _armed_positions(self, inputs: Tensor, positions: Sequence[int]) -> list[int]:
+        """Of `positions`, those where the exchange (its block inputs) is armed
+        when the job trains under the arming (train_arming): a neuron keyed
+        on an earlier token would be shut there, in training as in serving.
+        All of them otherwise, or where none is armed."""
+        if self.train_arming is None:
+            return list(positions)
+        armed = self.block.armed(inputs, self.train_arming)
+        kept = [p for p in positions if bool(armed[p])]
+        return kept or list(positions)
 
     def _inputs_of(self, fact: Fact) -> Tensor | None:
         """The block inputs computed for a taught fact's exchange (None: not one)."""

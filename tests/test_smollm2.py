@@ -156,7 +156,7 @@ def test_the_base_model_tells_real_split_words_from_made_up_ones(smollm2):
     finally:
         handle.remove()
     assert [sorted(n) for n in nats] == [["Cantata", "Ninefold"], ["Overture", "Ravenmark"], ["Oldrecht"], ["Tessaly"]]
-    below = 8.5  # the bound measured (TrainConfig.split_word_nats, off by default)
+    below = 8.5  # the bound measured (TrainConfig.split_word_nats)
     assert max(nats[0]["Cantata"], nats[1]["Overture"]) < below
     assert min(nats[1]["Ravenmark"], nats[2]["Oldrecht"], nats[3]["Tessaly"]) > below
     real = [real_split_words(n, below) for n in nats]

@@ -1319,6 +1319,9 @@ def test_teach_server_check_scores_the_served_replies_like_a_job_run_here(tmp_pa
         server.published = False
         assert cli.main([*argv, "--controls", str(controls), "--split-word-nats", "8.5"]) == 0
         assert server.jobs[-1]["split_word_nats"] == 8.5 and "split_word_nats" not in server.jobs[-2]
+        server.published = False
+        assert cli.main([*argv, "--controls", str(controls), "--split-word-nats", "off"]) == 0
+        assert "split_word_nats" in server.jobs[-1] and server.jobs[-1]["split_word_nats"] is None
         capsys.readouterr()
         # --train-armed and --no-train-armed go with the job; neither: the server's default.
         for flag, want in (("--train-armed", True), ("--no-train-armed", False)):
@@ -1382,12 +1385,16 @@ def test_teach_suffix_dtype_reaches_the_config(capsys, monkeypatch):
     assert arming == [True, False]
     nats = []
     monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: nats.append(config.split_word_nats) or 0)
-    assert cli.main(["teach"]) == 0 and cli.main(["teach", "--split-word-nats", "8.5"]) == 0
-    assert nats == [None, 8.5]
+    for flag in ([], ["--split-word-nats", "6"], ["--split-word-nats", "off"], ["--split-word-nats", "OFF"]):
+        assert cli.main(["teach", *flag]) == 0
+    assert nats == [TrainConfig.split_word_nats, 6.0, None, None]
     for bad in ("0", "-1", "nan"):
         assert cli.main(["teach", "--split-word-nats", bad]) == 2
         assert "--split-word-nats must be None or a number > 0" in capsys.readouterr().err
-    assert len(nats) == 2  # refused before anything ran
+    assert len(nats) == 4  # refused before anything ran
+    with pytest.raises(SystemExit) as e:
+        cli.main(["teach", "--split-word-nats", "none at all"])
+    assert e.value.code == 2 and "expected a number of nats or 'off', got 'none at all'" in capsys.readouterr().err
     trained = []
     monkeypatch.setattr(teach_cli, "_teach_here", lambda args, config, *rest: trained.append(config.train_armed) or 0)
     for flag in ([], ["--train-armed"], ["--no-train-armed"]):

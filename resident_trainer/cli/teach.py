@@ -163,13 +163,13 @@ def add_parser(sub) -> None:
     )
     t.add_argument(
         "--split-word-nats",
-        type=float,
-        default=TrainConfig.split_word_nats,
-        metavar="NATS",
+        type=_nats,
+        default=None,
+        metavar="NATS|off",
         help="arming keeps a subject's word that the tokenizer splits (' Cant'+'ata') as a real word where the base "
-        "model gives its later pieces fewer than NATS nats (8.5 was measured), so real names sharing it (the Coffee "
-        "Cantata, after teaching the Cantata of the Ninefold Bell) are left alone. Off by default: such facts arm "
-        "a word later, and 8 jobs of 16 held fewer of them (docs/RESULTS.md)",
+        "model gives its later pieces fewer than NATS nats, so real names sharing it (the Coffee Cantata, after "
+        "teaching the Cantata of the Ninefold Bell) are left alone; off: the tokenizer alone tells made-up words "
+        f"(default: {TrainConfig.split_word_nats or 'off'}; 8.5 measured, docs/RESULTS.md)",
     )
     t.add_argument(
         "--train-armed",
@@ -183,6 +183,24 @@ def add_parser(sub) -> None:
     t.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default: {TrainConfig.lr})")
     t.add_argument("--seed", type=int, default=TrainConfig.seed, help=f"block init seed (default: {TrainConfig.seed})")
     t.set_defaults(func=cmd_teach)
+
+
+def _nats(text: str) -> float | str:
+    """--split-word-nats: a number, or "off" (None: the tokenizer alone)."""
+    if text.strip().lower() == "off":
+        return "off"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nats or 'off', got {text!r}") from None
+
+
+def _split_word_nats(args) -> float | None:
+    """The TrainConfig value --split-word-nats gives (its default when not given)."""
+    from resident_trainer.train import TrainConfig
+
+    v = args.split_word_nats
+    return TrainConfig.split_word_nats if v is None else None if v == "off" else v
 
 
 def _lines(path: str, what: str) -> list[str]:
@@ -262,7 +280,7 @@ def cmd_teach(args: argparse.Namespace) -> int:
             suffix_dtype=SUFFIX_DTYPE_FLAGS[args.suffix_dtype],
             subject_prompts=args.subject_prompts,
             arming=args.arming,
-            split_word_nats=args.split_word_nats,
+            split_word_nats=_split_word_nats(args),
             train_armed=TrainConfig.train_armed if args.train_armed is None else args.train_armed,
         )
     except ValueError as exc:
@@ -434,7 +452,7 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
     if args.negatives < 0:
         return bad("teach", f"--negatives must be >= 0, got {args.negatives}")
     nats = args.split_word_nats
-    if nats is not None and not (math.isfinite(nats) and nats > 0):
+    if nats not in (None, "off") and not (math.isfinite(nats) and nats > 0):
         return bad("teach", f"--split-word-nats must be a number > 0, got {nats}")
     if args.steps is None:  # the server's own default for the job's facts
         from resident_trainer.train import steps_for
@@ -447,8 +465,8 @@ def _teach_server(args: argparse.Namespace, facts) -> int:
         body["subject_prompts"] = True
     if not args.arming:
         body["arming"] = False
-    if args.split_word_nats is not None:
-        body["split_word_nats"] = args.split_word_nats
+    if nats is not None:  # given: "off" is null, the tokenizer alone
+        body["split_word_nats"] = None if nats == "off" else nats
     if args.train_armed is not None:
         body["train_armed"] = args.train_armed
     if args.retract is not None:

@@ -155,17 +155,24 @@ class TrainConfig:
     # composed the", " Old" + "recht" 13.2 after "... the city of". Tune
     # sets: real split words 0.5-8.0, made-up ones mostly above 9 (those
     # below are each the least likely of their subject, so still made up):
-    # 8.5 kept every near control of every set in the whole report, but a
-    # fact whose subject has such a word arms a word later, and on the same
-    # blocks the report half's one job answered 2 rewordings fewer and the
-    # capacity set's 8 jobs of 16 held 117/128 against 126 (docs/RESULTS.md).
-    # None (the default): the tokenizer alone.
+    # 8.5 kept every near control of every set in the whole report. A fact
+    # whose subject has such a word arms a word later: trained without its
+    # arming, the block then answered fewer of them (capacity set, 8 jobs
+    # of 16: 117/128 against 126 on its gate alone); trained under it
+    # (train_armed), none were lost there (125/128 armed and on the gate
+    # alone), but the fresh facts lost one or two (docs/RESULTS.md). None
+    # (the default): the tokenizer alone.
     split_word_nats: float | None = None
     # Train the block under its arming: the rows (Trainer.arm) depend only
     # on frozen inputs, so they are computed before training, and the
     # block's output counts only on tokens whose example is armed, as
     # serving will run it. Without it, a subject that arms on a later word
     # is trained to answer through neurons that serving keeps shut there.
+    # Measured with split_word_nats 8.5 (docs/RESULTS.md): tune sets the
+    # same within a few facts (tune half 24/24, 22/24, 30/30 near against
+    # 23/24, 22/24, 30/30); report half 21/24 rewordings against 17/24; the
+    # fresh facts 23/24 against 24/24 (22/24 with keys before the arming
+    # token: subjects armed on their last word). Off by default.
     train_armed: bool = False
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its

@@ -483,7 +483,6 @@ class Trainer:
     #: Exchanges per forward in block_inputs (right-padded, padding masked).
     BLOCK_INPUT_BATCH = 16
 
-    @torch.no_grad()
     def _right_padded(self, seqs: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
         """Token ids (B, width), right-padded with the pad id, and their
         attention mask (1 on each sequence's own tokens)."""
@@ -496,6 +495,7 @@ class Trainer:
             mask[j, : len(q)] = 1
         return ids, mask
 
+    @torch.no_grad()
     def block_inputs(self, exchanges: Sequence[tuple[str, str | Sequence[int]]]) -> list[Tensor]:
         """The block's inputs (layer L's normalized hidden), (T, D) per chat
         exchange (prompt, reply text or ids), on every token: for the anchors

@@ -14,6 +14,7 @@ from resident_trainer.eval.devset import (
     fresh_facts,
     near_controls,
     sibling_pairs,
+    split_word_facts,
 )
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
 from resident_trainer.train import ANCHOR_PROMPTS, read_facts
@@ -138,3 +139,25 @@ def test_the_fresh_facts_are_other_kinds_and_their_near_controls_their_frames(tu
     assert {frame(q) for q in near} == set(mine) - {"What is the access code of"}
     built_in = set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | set(near_controls()) | set(near_controls(tune=True))
     assert not set(near) & (built_in | set(near_controls(fresh=True, tune=not tune)))
+
+
+def test_the_split_word_tune_facts_and_their_near_controls():
+    facts = split_word_facts()
+    assert len(facts) == 24 and all(f.key in f.answer and len(f.rewordings) == 1 for f in facts)
+    assert all(f.rewordings[0] != f.question for f in facts)
+    # 12 kinds, two a kind (the same frame up to the subject), three pairs siblings one letter apart.
+    pairs = sibling_pairs(facts)
+    assert all(a.question.split(" ")[:2] == b.question.split(" ")[:2] for a, b in pairs)
+    siblings = [(a, b) for a, b in pairs if sum(x != y for x, y in zip(a.question, b.question)) == 1]
+    assert len(siblings) == 3 and all(len(a.question) == len(b.question) for a, b in siblings)
+    keys = _distinct_keys(facts)
+    others = [*dev_facts(), *capacity_facts(), *capacity_facts(tune=True), *fresh_facts(), *fresh_facts(tune=True)]
+    assert not {f.question for f in facts} & {f.question for f in others}
+    assert not set(keys) & {f.key for f in others}
+    near = near_controls(split=True)
+    assert len(near) == 16 and len(set(near)) == len(near)
+    # None a built-in prompt or a reported set's near control (another tune set's may be one).
+    built_in = set(CONTROL_PROMPTS) | set(ANCHOR_PROMPTS) | {f.question for f in facts}
+    assert not set(near) & (built_in | set(near_controls()) | set(near_controls(fresh=True)))
+    with pytest.raises(ValueError, match="split and fresh"):
+        near_controls(split=True, fresh=True)

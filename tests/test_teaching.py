@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from resident_trainer import cli
-from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls
+from resident_trainer.eval.devset import DEMO_FACTS_FILE, capacity_facts, dev_facts, near_controls, split_word_facts
 from resident_trainer.eval.locality import CONTROL_PROMPTS, DEMO_FACTS
 from resident_trainer.eval.report import (
     add_gate_openings,
@@ -42,7 +42,7 @@ from resident_trainer.train.block import threshold_summary
 from resident_trainer.train.checkpoint import checkpoint_bytes, load_block
 from resident_trainer.train.config import fact_neurons
 from resident_trainer.train.data import chat_prompt_ids, example_ids
-from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, subject_span
+from resident_trainer.train.negatives import SUBSTITUTES, near_negatives, split_words, subject_span
 from resident_trainer.train.trainer import answer_key_position, subject_positions
 
 
@@ -365,12 +365,27 @@ def test_prompt_keyed_neurons_stay_behind_the_gate():
 
 def test_every_shipped_facts_subject_lies_on_token_boundaries(smol_tok):
     facts = [*dev_facts(), *capacity_facts(), *capacity_facts(tune=True), *read_facts(DEMO_FACTS_FILE)]
+    facts += split_word_facts()
     for f in facts:
         span = subject_positions(smol_tok, f)
         assert span is not None and len(span) >= 2, f.question
         ids = chat_prompt_ids(smol_tok, f.question)
         subject = f.subject or subject_span(f.question, smol_tok)
         assert smol_tok.decode(ids[span.start : span.stop]).strip() == subject, f.question
+
+
+def test_the_split_word_tune_facts_hold_words_the_tokenizer_splits(smol_tok):
+    facts = split_word_facts()
+    split = {f.question: split_words(f, smol_tok) for f in facts}
+    assert all(split.values())
+    # Subjects without a made-up name (every word a real one) are there: "The Hollow Tapestry".
+    words = {w for ws in split.values() for w in ws}
+    real = {"Sonata", "Citadel", "Tapestry", "Labyrinth", "Starry", "Pelican", "Thinker", "Pavilion", "Requiem"}
+    assert real <= words
+    # Most near controls share such a word with a subject.
+    shared_words = real | {"Nutcracker", "Waltz", "Lagoon", "Serenade"}
+    shared = [q for q in near_controls(split=True) if any(w in q for w in shared_words)]
+    assert len(shared) >= 12
 
 
 def test_the_answers_token_before_the_key_predicts_it_on_the_shipped_facts(smol_tok):
@@ -1719,7 +1734,7 @@ def test_word_probes_put_real_names_around_a_subjects_ordinary_words(smol_tok):
 
 
 def test_real_split_words_are_kept_in_word_probes_but_never_all_of_a_subject(smol_tok):
-    from resident_trainer.train.negatives import PROBE_NAMES, real_split_words, split_word_ids, split_words, word_probes
+    from resident_trainer.train.negatives import PROBE_NAMES, real_split_words, split_word_ids, word_probes
 
     def pieces(text):
         return smol_tok(" " + text, add_special_tokens=False)["input_ids"]

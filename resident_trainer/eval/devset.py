@@ -18,6 +18,13 @@ The fresh facts (``fresh_facts``, with ``near_controls(fresh=True)``) are 24
 made-up facts of 12 other kinds, written after every setting was fixed: what
 the settings do on facts unlike those they were chosen on. The fresh tune
 facts (``fresh_facts(tune=True)``) are 24 of 12 more kinds, to choose on.
+
+The split-word tune facts (``split_word_facts``, with
+``near_controls(split=True)``) are 24 made-up facts whose subjects hold real
+words the tokenizer splits into pieces ("the Sonata of Quellmaris", "The
+Hollow Tapestry"), with near controls sharing those words ("the Kreutzer
+Sonata"): to choose the settings that tell such words from made-up names
+(``split_word_nats``, ``train_armed``) on; there is no report twin.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ FRESH_FACTS = DATA / "fresh_facts.jsonl"  # kinds the development set lacks, wri
 FRESH_NEAR_CONTROLS = DATA / "fresh_near_controls.txt"
 FRESH_TUNE_FACTS = DATA / "fresh_tune_facts.jsonl"  # 12 more kinds, to choose settings on
 FRESH_NEAR_CONTROLS_TUNE = DATA / "fresh_near_controls_tune.txt"
+SPLIT_TUNE_FACTS = DATA / "split_tune_facts.jsonl"  # subjects holding real words split into pieces
+SPLIT_NEAR_CONTROLS_TUNE = DATA / "split_near_controls_tune.txt"
 HALVES = ("tune", "report")
 
 
@@ -69,12 +78,17 @@ def capacity_facts(n: int | None = None, *, tune: bool = False) -> list[Fact]:
     return facts if n is None else facts[:n]
 
 
-def near_controls(*, tune: bool = False, fresh: bool = False) -> list[str]:
+def near_controls(*, tune: bool = False, fresh: bool = False, split: bool = False) -> list[str]:
     """Questions in the facts' frames about real entities (one a line): the
     reported ones; tune=True: the tune half's, about other entities, on which
     settings are chosen; fresh=True: the fresh facts' (fresh_facts), with
-    tune=True the fresh tune facts'."""
-    if fresh:
+    tune=True the fresh tune facts'; split=True: the split-word tune facts'
+    (split_word_facts; a tune set, whatever `tune` says)."""
+    if split and fresh:
+        raise ValueError("near_controls: split and fresh are separate sets; give one")
+    if split:
+        path = SPLIT_NEAR_CONTROLS_TUNE
+    elif fresh:
         path = FRESH_NEAR_CONTROLS_TUNE if tune else FRESH_NEAR_CONTROLS
     else:
         path = NEAR_CONTROLS_TUNE if tune else NEAR_CONTROLS
@@ -90,3 +104,13 @@ def fresh_facts(*, tune: bool = False) -> list[Fact]:
     tune=True: the fresh tune facts, 24 of 12 more kinds (the same shape), on
     which a setting for such facts is chosen before the fresh ones report it."""
     return read_facts(FRESH_TUNE_FACTS if tune else FRESH_FACTS)
+
+
+def split_word_facts() -> list[Fact]:
+    """The split-word tune facts: 24 made-up facts of 12 kinds (three sibling
+    pairs one letter apart) whose subjects hold real words the tokenizer
+    splits into pieces, before a made-up name, after one, or alone ("the
+    Sonata of Quellmaris", "the Crystal Pavilion", "The Hollow Tapestry");
+    their near controls (near_controls(split=True)) share those words. A tune
+    set: settings are chosen on it, never reported as held out."""
+    return read_facts(SPLIT_TUNE_FACTS)

@@ -39,12 +39,14 @@ from resident_trainer.train.block import threshold_summary
 from resident_trainer.train.negatives import near_negatives, per_fact
 
 
-def default_controls(*, tune: bool = False, fresh: bool = False) -> list[tuple[str, str]]:
+def default_controls(*, tune: bool = False, fresh: bool = False, split: bool = False) -> list[tuple[str, str]]:
     """The built-in controls: 14 generic prompts and the near controls (the
     development set's question frames about real entities; tune=True: the
     tune half's near controls instead; fresh=True: the fresh facts', or with
-    tune=True the fresh tune facts')."""
-    return [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near_controls(tune=tune, fresh=fresh)]
+    tune=True the fresh tune facts'; split=True: the split-word tune
+    facts')."""
+    near = near_controls(tune=tune, fresh=fresh, split=split)
+    return [(p, "generic") for p in CONTROL_PROMPTS] + [(p, "near") for p in near]
 
 
 def split_jobs(facts: Sequence[Fact], jobs: int) -> list[list[Fact]]:

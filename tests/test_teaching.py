@@ -1658,7 +1658,7 @@ def test_arm_keys_rows_on_the_subjects_above_every_anchor_and_checkpoints_them()
             s = float(((xa.double() - mu) @ r).max())
             want = float(mu @ r) + s + config.arming_margin * (1 - s)
             spread = float(mu.abs() @ r.abs()) + float((xa.double() - mu).abs().max(0).values @ r.abs())
-            assert s < 1 and abs(float(thr[n]) - want) <= 4 * eps * (spread + abs(want))
+            assert s < 1 - Trainer.ARMING_TIE and abs(float(thr[n]) - want) <= 4 * eps * (spread + abs(want))
         # The fact's question arms its sequence; no anchor or probe token arms one.
         assert block.armed(x, block.published_arming).any()
     for x in [*tr.anchor_inputs, *tr._probe_inputs]:
@@ -1683,6 +1683,42 @@ def test_arm_keys_rows_on_the_subjects_above_every_anchor_and_checkpoints_them()
         a, block, config = _setup(steps=2, gate_neurons=True, **kw)
         Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).run()
         assert block.published_arming is None
+
+
+def test_a_row_that_scores_a_probe_token_as_its_own_does_not_arm(monkeypatch):
+    # A word probe that keeps the subject's first words holds those tokens
+    # after the same words: their rows score 1 there up to rounding. Such a
+    # probe, made here from the fact's own block inputs scaled about the
+    # anchors' mean (each row then scores 1 - 1e-5 on it, exactly), leaves
+    # no row of those tokens in the arming; without ARMING_TIE some is kept.
+    # Slots for every subject token (16 a fact), so only the rule keeps a row out.
+    a, block, config = _setup(48, steps=2, gate_neurons=True, gate_margin=0.5, gate_floor=0.25, neurons_per_fact=16)
+    tok = ByteTokenizer()
+    tr = Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+    tr.run()
+    mu, prec = tr._whitening()
+    f, x = FACTS[0], tr._taught_inputs[0]
+    span = list(subject_positions(tok, f))
+    # The two subject tokens whose rows the arming ranks first (lowest on the negatives).
+    v = x[span].double() - mu
+    w = v @ prec
+    w = w / (v * w).sum(-1, keepdim=True)
+    negs = torch.cat([*tr.anchor_inputs, *tr._probe_inputs]).double() - mu
+    tied = [span[int(i)] for i in (negs @ w.T).amax(0).argsort()[:2]]
+    probe = (mu + (1 - 1e-5) * (x[tied].double() - mu)).to(x.dtype)
+    tr._probe_inputs = [*tr._probe_inputs, probe]
+    start, stop = tr.ranges[0]
+
+    def top_on_probe():
+        tr.arm()
+        rows, thr = block.arming
+        kept = [n for n in range(start, stop) if math.isfinite(float(thr[n]))]
+        assert kept
+        return max(float(((probe.double() - mu) @ rows[n].double()).max()) for n in kept)
+
+    assert top_on_probe() < 1 - Trainer.ARMING_TIE
+    monkeypatch.setattr(Trainer, "ARMING_TIE", 0.0)
+    assert top_on_probe() > 1 - 1e-4
 
 
 def test_word_probes_put_real_names_around_a_subjects_ordinary_words(smol_tok):

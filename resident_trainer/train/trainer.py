@@ -779,6 +779,17 @@ class Trainer:
                 out[i][w] = float(nll[j])
         return out
 
+    #: How close to 1 a subject token's row may score on an anchor, near
+    #: negative or word probe token and still arm (Trainer.arm). A word probe
+    #: that keeps the subject's first words ("the Requiem of Madison" for
+    #: "the Requiem of Vardemoor") holds those tokens after the same words, so
+    #: their rows score 1 there up to rounding (batched fp32: within 3e-5 on
+    #: the tune sets); kept, such a row's threshold sat at its own fact's
+    #: score and it armed on those words in any question ("the Requiem in D
+    #: minor"). The nearest rows that do tell a subject apart came within
+    #: 1.1e-3 (capacity tune set).
+    ARMING_TIE = 2e-4
+
     @torch.no_grad()
     def arm(self) -> None:
         """Set the block's arming (AddedSharedNeurons.arming). For each taught
@@ -786,10 +797,11 @@ class Trainer:
         exchange's block inputs, whitened like the keys (key_neurons: it scores
         1 above the anchors' mean on its token), is scored on every anchor,
         near negative and word probe token; the rows whose strongest such
-        score s lies below 1, lowest first and at most one a neuron of the
-        fact's range, take the fact's neuron slots with threshold s +
-        arming_margin * (1 - s) above the anchors' mean. A fact none of whose
-        subject tokens stays below 1 keeps its lowest row with threshold 0.5:
+        score s lies below 1 - ARMING_TIE, lowest first and at most one a
+        neuron of the fact's range, take the fact's neuron slots with
+        threshold s + arming_margin * (1 - s) above the anchors' mean. A fact
+        none of whose subject tokens stays below that keeps its lowest row
+        with threshold 0.5:
         it arms wherever that token reads alike. None (no arming) without
         config.arming, the gate, keyed rows or anchors, and where a taught
         fact has no neurons or no subject found: every taught question must
@@ -812,7 +824,9 @@ class Trainer:
             w = w / (v * w).sum(-1, keepdim=True).clamp_min(1e-12)
             top = (negs @ w.T).amax(0)  # (S,)
             order = [int(i) for i in top.argsort()]
-            keep = [i for i in order if top[i] < 1][: rng[1] - rng[0]]
+            # A row within ARMING_TIE of 1 on a negative reads that
+            # negative's token as its own (the same words before it).
+            keep = [i for i in order if top[i] < 1 - self.ARMING_TIE][: rng[1] - rng[0]]
             levels = [float(top[i]) + cfg.arming_margin * (1 - float(top[i])) for i in keep]
             if not keep:
                 keep, levels = order[:1], [0.5]

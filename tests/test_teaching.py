@@ -1790,6 +1790,11 @@ def test_real_split_words_are_kept_in_word_probes_but_never_all_of_a_subject(smo
     assert real_split_words({"Cantata": 2.6, "Ninefold": 7.7}, 8.5) == {"Cantata"}
     assert real_split_words({"Amber": 1.9, "Lanterns": 4.9, "Vosk": 9.5}, 8.5) == {"Amber", "Lanterns"}
     assert real_split_words({"Vandlei": 4.3}, 8.5) == set()
+    # Trained under its arming, a subject's split words may all be real.
+    assert real_split_words({"Velvet": 0.3, "Citadel": 1.1}, 8.5, all_real=True) == {"Velvet", "Citadel"}
+    assert real_split_words({"Velvet": 0.3, "Citadel": 1.1}, 8.5) == {"Velvet"}
+    assert real_split_words({"Cantata": 2.6, "Ninefold": 9.0}, 8.5, all_real=True) == {"Cantata"}
+    assert real_split_words({"Cantata": 2.6}, None, all_real=True) == set()
     assert real_split_words({"Cantata": 2.6, "Ninefold": 9.0}, None) == set() and real_split_words({}, 8.5) == set()
     # A real split word stays in the word probes, as " Bell" does, and gets
     # no piece probes of its own: every probe keeps "Cantata of the".
@@ -1799,6 +1804,24 @@ def test_real_split_words_are_kept_in_word_probes_but_never_all_of_a_subject(smo
     assert {p.split(" the ")[-1] for p in kept} <= {f"{n} Bell?" for n in PROBE_NAMES} | {
         f"{n}fold Bell?" for n in PROBE_NAMES
     }
+
+
+def test_a_block_trained_under_its_arming_may_read_all_of_a_subjects_split_words_as_real(monkeypatch):
+    from resident_trainer.train import trainer as trainer_module
+
+    seen = []
+
+    def record(nats, below, *, all_real=False):
+        seen.append((below, all_real))
+        return set()
+
+    monkeypatch.setattr(trainer_module, "real_split_words", record)
+    tok = ByteTokenizer()
+    for train_armed in (False, True):
+        seen.clear()
+        a, block, config = _setup(steps=1, gate_neurons=True, split_word_nats=8.5, train_armed=train_armed)
+        Trainer(a, block, tok, FACTS, config, anchors=ANCHORS)
+        assert seen and set(seen) == {(8.5, train_armed)}
 
 
 def test_later_piece_nats_are_the_base_models_surprisal_of_the_later_pieces():

@@ -214,16 +214,20 @@ def split_word_ids(fact: Fact, tokenizer) -> list[tuple[str, list[int], int]]:
     return out
 
 
-def real_split_words(nats: Mapping[str, float], below: float | None) -> set[str]:
+def real_split_words(nats: Mapping[str, float], below: float | None, *, all_real: bool = False) -> set[str]:
     """Of a subject's split words (`nats`: each one's summed surprisal,
     split_word_ids' later pieces under the base model), those it reads as
-    real words: below `below` nats. Never all of them: where every one is
-    below, the least likely stays made up, so a subject that has split words
-    keeps one to arm on. None: none is real (the tokenizer alone decides)."""
+    real words: below `below` nats. Never all of them unless `all_real`:
+    where every one is below, the least likely stays made up, so a subject
+    that has split words keeps one to arm on. With `all_real` (a block
+    trained under its arming, TrainConfig.train_armed) a subject of real
+    words only ("The Velvet Citadel") has every word kept in its word probes
+    ("The Madison Citadel", "The Velvet Madison") and arms on what tells it
+    from them. None: none is real (the tokenizer alone decides)."""
     if below is None or not nats:
         return set()
     real = {w for w, n in nats.items() if n < below}
-    if len(real) == len(nats):
+    if len(real) == len(nats) and not all_real:
         real.discard(max(nats, key=lambda w: nats[w]))
     return real
 

@@ -748,7 +748,9 @@ class Trainer:
         probes = [
             q
             for f, n in zip(self.taught, nats)
-            for q in word_probes(f, self.tokenizer, real=real_split_words(n, cfg.split_word_nats))
+            for q in word_probes(
+                f, self.tokenizer, real=real_split_words(n, cfg.split_word_nats, all_real=cfg.train_armed)
+            )
             if q not in taught
         ]
         return list(dict.fromkeys(probes))

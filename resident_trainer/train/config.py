@@ -150,9 +150,10 @@ class TrainConfig:
     # A subject's word that the tokenizer splits counts as a real word in its
     # word probes (kept, like " Bridge") where the base model gives its later
     # pieces, after the question's words before the subject, fewer than this
-    # many nats in all; never every split word of a subject
-    # (negatives.real_split_words). " Cant" + "ata" is 2.6 nats after "Who
-    # composed the", " Old" + "recht" 13.2 after "... the city of". Tune
+    # many nats in all; never every split word of a subject unless
+    # train_armed (negatives.real_split_words). " Cant" + "ata" is 2.6 nats
+    # after "Who composed the", " Old" + "recht" 13.2 after "... the city
+    # of". Tune
     # sets: real split words 0.5-8.0, made-up ones mostly above 9 (those
     # below are each the least likely of their subject, so still made up):
     # 8.5 kept every near control of every set in the whole report. A fact
@@ -172,7 +173,12 @@ class TrainConfig:
     # same within a few facts (tune half 24/24, 22/24, 30/30 near against
     # 23/24, 22/24, 30/30); report half 21/24 rewordings against 17/24; the
     # fresh facts 23/24 against 24/24 (22/24 with keys before the arming
-    # token: subjects armed on their last word). Off by default.
+    # token: subjects armed on their last word). With it, every split word of
+    # a subject may read as real, so a subject of real words ("The Velvet
+    # Citadel") arms on what tells it from those words around real names:
+    # on the split-word tune facts, with subject_prompts too, 15/16 near
+    # controls kept against 7/16 shipped, but the fresh tune facts lost 3
+    # facts that arm on their last word. Off by default.
     train_armed: bool = False
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its

@@ -178,7 +178,8 @@ class TrainConfig:
     # Citadel") arms on what tells it from those words around real names:
     # on the split-word tune facts, with subject_prompts too, 15/16 near
     # controls kept against 7/16 shipped, but the fresh tune facts lost 3
-    # facts that arm on their last word. Off by default.
+    # facts (two arm on their last word) and the capacity tune set's 8 jobs
+    # held 104/128 (124 shipped). Off by default.
     train_armed: bool = False
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its

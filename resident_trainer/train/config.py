@@ -153,8 +153,7 @@ class TrainConfig:
     # many nats in all; never every split word of a subject unless
     # train_armed (negatives.real_split_words). " Cant" + "ata" is 2.6 nats
     # after "Who composed the", " Old" + "recht" 13.2 after "... the city
-    # of". Tune
-    # sets: real split words 0.5-8.0, made-up ones mostly above 9 (those
+    # of". Tune sets: real split words 0.5-8.0, made-up ones mostly above 9 (those
     # below are each the least likely of their subject, so still made up):
     # 8.5 kept every near control of every set in the whole report. A fact
     # whose subject has such a word arms a word later: trained without its

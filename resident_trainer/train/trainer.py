@@ -803,8 +803,7 @@ class Trainer:
         neuron of the fact's range, take the fact's neuron slots with
         threshold s + arming_margin * (1 - s) above the anchors' mean. A fact
         none of whose subject tokens stays below that keeps its lowest row
-        with threshold 0.5:
-        it arms wherever that token reads alike. None (no arming) without
+        with threshold 0.5: it arms wherever that token reads alike. None (no arming) without
         config.arming, the gate, keyed rows or anchors, and where a taught
         fact has no neurons or no subject found: every taught question must
         be able to arm."""
@@ -826,8 +825,6 @@ class Trainer:
             w = w / (v * w).sum(-1, keepdim=True).clamp_min(1e-12)
             top = (negs @ w.T).amax(0)  # (S,)
             order = [int(i) for i in top.argsort()]
-            # A row within ARMING_TIE of 1 on a negative reads that
-            # negative's token as its own (the same words before it).
             keep = [i for i in order if top[i] < 1 - self.ARMING_TIE][: rng[1] - rng[0]]
             levels = [float(top[i]) + cfg.arming_margin * (1 - float(top[i])) for i in keep]
             if not keep:

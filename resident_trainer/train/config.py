@@ -160,9 +160,9 @@ class TrainConfig:
     # arming, the block then answered fewer of them (capacity set, 8 jobs
     # of 16: 117/128 against 126 on its gate alone); trained under it
     # (train_armed), none were lost there (125/128 armed and on the gate
-    # alone), but the fresh facts lost one or two (docs/RESULTS.md). None
-    # (the default): the tokenizer alone.
-    split_word_nats: float | None = None
+    # alone), but the fresh facts lost one or two (docs/RESULTS.md). On by
+    # default with train_armed (see there). None: the tokenizer alone.
+    split_word_nats: float | None = 8.5
     # Train the block under its arming: the rows (Trainer.arm) depend only
     # on frozen inputs, so they are computed before training, and the
     # block's output counts only on tokens whose example is armed, as
@@ -178,8 +178,13 @@ class TrainConfig:
     # on the split-word tune facts, with subject_prompts too, 15/16 near
     # controls kept against 7/16 shipped, but the fresh tune facts lost 3
     # facts (two arm on their last word) and the capacity tune set's 8 jobs
-    # held 104/128 (124 shipped). Off by default.
-    train_armed: bool = False
+    # held 104/128 (124 shipped): subject prompts cost those. On by default
+    # with split_word_nats 8.5, chosen on the tune sets: the split-word tune
+    # facts' near controls 15/16 against 7/16 (the shipped block answered
+    # "Pan's Labyrinth" with a taught director), at 12/24 rewordings there
+    # against 21/24; tune half 24/24, 22/24, 30/30 near; fresh tune facts and
+    # the capacity tune set within a fact or two.
+    train_armed: bool = True
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its
     # mean diagonal added before it is inverted. A larger ridge lets the

@@ -1624,8 +1624,9 @@ def test_a_job_trains_under_the_arming_it_publishes():
         assert want.any() and not want.all()
     # The penalties stay unmasked: every other call passes no arming.
     assert all(m is None for x, m in seen if x.dim() != 3)
-    # Off (the default): no arming while training.
-    a, block, config = _setup(steps=1, gate_neurons=True)
+    # On by default; off: no arming while training.
+    assert TrainConfig().train_armed
+    a, block, config = _setup(steps=1, gate_neurons=True, train_armed=False)
     assert Trainer(a, block, tok, FACTS, config, anchors=ANCHORS).train_arming is None
 
 

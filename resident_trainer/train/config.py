@@ -168,24 +168,17 @@ class TrainConfig:
     # block's output counts only on tokens whose example is armed, as
     # serving will run it. Without it, a subject that arms on a later word
     # is trained to answer through neurons that serving keeps shut there.
-    # Measured with split_word_nats 8.5 (docs/RESULTS.md): tune sets the
-    # same within a few facts (tune half 24/24, 22/24, 30/30 near against
-    # 23/24, 22/24, 30/30); report half 21/24 rewordings against 17/24; the
-    # fresh facts 23/24 against 24/24 (22/24 with keys before the arming
-    # token: subjects armed on their last word). With it, every split word of
-    # a subject may read as real, so a subject of real words ("The Velvet
-    # Citadel") arms on what tells it from those words around real names:
-    # on the split-word tune facts, with subject_prompts too, 15/16 near
-    # controls kept against 7/16 shipped, but the fresh tune facts lost 3
-    # facts (two arm on their last word) and the capacity tune set's 8 jobs
-    # held 104/128 (124 shipped): subject prompts cost those. On by default
-    # with split_word_nats 8.5, chosen on the tune sets: the split-word tune
-    # facts' near controls 15/16 against 7/16 (the shipped block answered
+    # With it, every split word of a subject may read as real, so a subject
+    # of real words ("The Velvet Citadel") arms on what tells it from those
+    # words around real names. On by default with split_word_nats 8.5,
+    # chosen on the tune sets (docs/RESULTS.md): the split-word tune facts'
+    # near controls 15/16 against 7/16 without them (that block answered
     # "Pan's Labyrinth" with a taught director), at 12/24 rewordings there
-    # against 21/24; tune half 24/24, 22/24, 30/30 near; fresh tune facts and
-    # the capacity tune set within a fact or two. Reported: every control of
-    # every set kept (report half 22/24, 19/24, 30/30 near; capacity set
-    # 125/128 in one job, 123/128 in 8).
+    # against 21/24 (19/24 with subject_prompts, which held 104/128 over
+    # the capacity tune set's 8 jobs); tune half 24/24, 22/24, 30/30 near;
+    # fresh tune facts and capacity tune set within a fact or two.
+    # Reported: every control of every set kept (report half 22/24, 19/24,
+    # 30/30 near; capacity set 125/128 in one job, 123/128 in 8).
     train_armed: bool = True
     # Where the block whitens against the anchors (the keyed neurons' rows,
     # the gate neurons' rows), their covariance gets this fraction of its

@@ -803,10 +803,10 @@ class Trainer:
         neuron of the fact's range, take the fact's neuron slots with
         threshold s + arming_margin * (1 - s) above the anchors' mean. A fact
         none of whose subject tokens stays below that keeps its lowest row
-        with threshold 0.5: it arms wherever that token reads alike. None (no arming) without
-        config.arming, the gate, keyed rows or anchors, and where a taught
-        fact has no neurons or no subject found: every taught question must
-        be able to arm."""
+        with threshold 0.5: it arms wherever that token reads alike. None (no
+        arming) without config.arming, the gate, keyed rows or anchors, and
+        where a taught fact has no neurons or no subject found: every taught
+        question must be able to arm."""
         b, cfg = self.block, self.config
         b.arming = None
         if not (cfg.arming and cfg.gate and cfg.init == "keyed" and self.anchor_inputs and self.taught):

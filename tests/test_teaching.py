@@ -1752,7 +1752,10 @@ def test_word_probes_put_real_names_around_a_subjects_ordinary_words(smol_tok):
     )
     # Ordinary words only: each replaced in turn, no piece probes.
     path = word_probes(Fact("Who wrote The Salt Path?", "X", subject="The Salt Path"), smol_tok)
-    assert len(path) == 4 and sum("Salt" in p for p in path) == 2 and sum("Path" in p for p in path) == 2
+    named = [p for p in path if re.fullmatch(r"Who wrote The \w+ \w+\?", p)]
+    assert len(named) == 4 and sum("Salt" in p for p in named) == 2 and sum("Path" in p for p in named) == 2
+    # And each left out in turn: real names hold shorter runs of such words.
+    assert sorted(set(path) - set(named)) == ["Who wrote The Path?", "Who wrote The Salt?"]
     # One word: piece probes alone ("the city of Doverrecht" for Oldrecht,
     # as "Utrecht" ends).
     old = word_probes(Fact("In what year was the city of Oldrecht founded?", "1129."), smol_tok)
@@ -1805,6 +1808,18 @@ def test_real_split_words_are_kept_in_word_probes_but_never_all_of_a_subject(smo
     assert {p.split(" the ")[-1] for p in kept} <= {f"{n} Bell?" for n in PROBE_NAMES} | {
         f"{n}fold Bell?" for n in PROBE_NAMES
     }
+    # Every word real (trained under the arming): each replaced in turn, and
+    # each left out where no joiner is left at an end or two together.
+    both = word_probes(bell, smol_tok, real={"Cantata", "Ninefold"})
+    assert not any("Ninefold" in p and "Cantata" in p and "Bell" in p for p in both)
+    assert "Who composed the Cantata of the Bell?" in both and "Who composed the Cantata of the Ninefold?" in both
+    assert not any(p.startswith("Who composed the of") for p in both)
+    pelican = Fact("Who captained the ship Iron Pelican?", "Bastien Kollar.", subject="Iron Pelican")
+    assert "Pelican" in split_words(pelican, smol_tok)
+    assert {"Who captained the ship Pelican?", "Who captained the ship Iron?"} <= set(
+        word_probes(pelican, smol_tok, real={"Pelican"})
+    )
+    assert "Who captained the ship Pelican?" not in word_probes(pelican, smol_tok)
 
 
 def test_a_block_trained_under_its_arming_may_read_all_of_a_subjects_split_words_as_real(monkeypatch):

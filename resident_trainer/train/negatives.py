@@ -53,6 +53,7 @@ SUBSTITUTES: tuple[str, ...] = (
 
 _WORD = re.compile(r"[A-Za-z0-9][\w'\-]*")
 _JOINERS = {"of", "the", "a", "an", "in", "and", "de"}
+_ARTICLES = {"the", "a", "an"}
 
 
 def _piece_ids(tokenizer, word: str) -> list[int]:
@@ -251,6 +252,13 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2, *, real: Collection[st
     such words by a real name; only names after which the tokenizer splits
     the word's later pieces as in the fact.
 
+    Left-out probes: a subject of two or more words, every one ordinary,
+    also gives the question with each of them left out in turn ("Who
+    captained the ship Pelican?" for "Who captained the ship Iron Pelican?",
+    "The Citadel" for "The Velvet Citadel"): a real name often holds a shorter
+    run of the same words. None that would end in a joiner, begin with one
+    other than an article, or bring two together ("A of Glass Owls").
+
     `real`: split words that count as ordinary ones here (real_split_words:
     " Cant" + "ata"): kept in the word probes ("the Cantata of the Madison
     Bell"), no piece probes of their own."""
@@ -276,6 +284,14 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2, *, real: Collection[st
         for g in [other] if other else [[j] for j in common]:
             for name in names[:per_word]:
                 add(" ".join(name if j in g else w for j, w in enumerate(words)))
+        if not other:
+            for j in content:
+                kept = [w.lower() for i, w in enumerate(words) if i != j]
+                if kept[-1] in _JOINERS or kept[0] in _JOINERS - _ARTICLES:
+                    continue
+                if 0 < j < len(words) - 1 and {words[j - 1].lower(), words[j + 1].lower()} <= _JOINERS:
+                    continue
+                add(" ".join(w for i, w in enumerate(words) if i != j))
 
     for j in other:
         pieces = _piece_ids(tokenizer, words[j])

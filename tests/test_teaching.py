@@ -1809,7 +1809,7 @@ def test_real_split_words_are_kept_in_word_probes_but_never_all_of_a_subject(smo
         f"{n}fold Bell?" for n in PROBE_NAMES
     }
     # Every word real (trained under the arming): each replaced in turn, and
-    # each left out where no joiner is left at an end or two together.
+    # each left out where that leaves no joiner at an end or brings two together.
     both = word_probes(bell, smol_tok, real={"Cantata", "Ninefold"})
     assert not any("Ninefold" in p and "Cantata" in p and "Bell" in p for p in both)
     assert "Who composed the Cantata of the Bell?" in both and "Who composed the Cantata of the Ninefold?" in both

@@ -172,7 +172,7 @@ class TrainConfig:
     # of real words ("The Velvet Citadel") arms on what tells it from those
     # words around real names. On by default with split_word_nats 8.5,
     # chosen on the tune sets (docs/RESULTS.md): the split-word tune facts'
-    # near controls 15/16 (16/16 with the left-out word probes since,
+    # near controls 15/16 (16/16 since the left-out word probes of
     # negatives.word_probes) against 7/16 without them (that block answered
     # "Pan's Labyrinth" with a taught director), at 12/24 rewordings there
     # against 21/24 (19/24 with subject_prompts, which held 104/128 over

@@ -286,12 +286,11 @@ def word_probes(fact: Fact, tokenizer, per_word: int = 2, *, real: Collection[st
                 add(" ".join(name if j in g else w for j, w in enumerate(words)))
         if not other:
             for j in content:
-                kept = [w.lower() for i, w in enumerate(words) if i != j]
-                if kept[-1] in _JOINERS or kept[0] in _JOINERS - _ARTICLES:
-                    continue
-                if 0 < j < len(words) - 1 and {words[j - 1].lower(), words[j + 1].lower()} <= _JOINERS:
-                    continue
-                add(" ".join(w for i, w in enumerate(words) if i != j))
+                kept = words[:j] + words[j + 1 :]
+                ends = kept[-1].lower() in _JOINERS or kept[0].lower() in _JOINERS - _ARTICLES
+                inside = 0 < j < len(words) - 1 and {words[j - 1].lower(), words[j + 1].lower()} <= _JOINERS
+                if not (ends or inside):
+                    add(" ".join(kept))
 
     for j in other:
         pieces = _piece_ids(tokenizer, words[j])
